@@ -1,0 +1,31 @@
+"""Resident layerwise offload for transformer blocks, in pure PyTorch.
+
+The leading (or strided) blocks stay on the compute device; the rest stream from a host store
+with a prefetch window on a side stream. Nothing here imports ComfyUI.
+"""
+
+from .config import POLICIES, OffloadConfig, resolve_resident_count
+from .manager import LayerwiseOffloadManager
+from .schedule import Schedule, choose_resident_blocks
+from .stats import OffloadStats
+
+__all__ = [
+    "POLICIES",
+    "LayerwiseOffloadManager",
+    "OffloadConfig",
+    "OffloadStats",
+    "Schedule",
+    "apply_layerwise_offload",
+    "choose_resident_blocks",
+    "resolve_resident_count",
+]
+
+
+def apply_layerwise_offload(blocks, device, root=None, **settings) -> LayerwiseOffloadManager:
+    """Offload ``blocks`` (in call order) for compute on ``device`` and install the hooks.
+
+    Weights move into the host store at the first forward, not here, so building a pipeline never
+    holds device memory other stages need. ``settings`` are :class:`OffloadConfig` fields.
+    Call ``detach()`` on the returned manager to undo.
+    """
+    return LayerwiseOffloadManager(blocks, device, OffloadConfig(**settings)).attach(root)

@@ -1,0 +1,78 @@
+"""Validated settings of a layerwise offload and the resident-count rule."""
+
+from __future__ import annotations
+
+import logging
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Optional, Union
+
+log = logging.getLogger("layerwise_offload")
+
+POLICIES = ("leading", "strided")
+
+ResidentLayers = Union[int, float]
+
+
+def resolve_resident_count(resident_layers: ResidentLayers, num_blocks: int) -> int:
+    """Turn a resident count or fraction into a block count.
+
+    ``0 < x < 1`` is a fraction of the blocks (``round(x * n)``); ``x >= 1`` is a count
+    (``floor(x)``), clamped to ``n`` with one log line; ``0`` streams every block.
+    """
+    _check_resident_layers(resident_layers)
+    if num_blocks < 0:
+        raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+    value = float(resident_layers)
+    if 0 < value < 1:
+        return int(round(value * num_blocks))
+    count = int(math.floor(value))
+    if count > num_blocks:
+        log.info("[layerwise-offload] resident_layers=%s exceeds the %d blocks; keeping all %d resident",
+                 resident_layers, num_blocks, num_blocks)
+        return num_blocks
+    return count
+
+
+def _check_resident_layers(resident_layers) -> None:
+    if isinstance(resident_layers, bool) or not isinstance(resident_layers, numbers.Real):
+        raise ValueError(
+            f"resident_layers must be a number (a block count, or a fraction between 0 and 1), "
+            f"got {resident_layers!r} of type {type(resident_layers).__name__}")
+    if math.isnan(resident_layers) or math.isinf(resident_layers):
+        raise ValueError(f"resident_layers must be a finite number, got {resident_layers!r}")
+    if resident_layers < 0:
+        raise ValueError(
+            f"resident_layers must be >= 0, got {resident_layers!r}; use 0 to stream every block")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How many blocks stay on the device, how far ahead streamed blocks are copied, and how.
+
+    resident_layers: block count (>= 1) or fraction (0 < x < 1) that stays on the device; 0 streams all.
+    prefetch_size: streamed blocks copied ahead of the one computing (>= 1).
+    policy: ``leading`` keeps the first blocks the model runs; ``strided`` spreads the streamed
+        blocks evenly over the step so their copies overlap more compute.
+    pin_memory: page-lock the host store; ``None`` means "when the compute device is an accelerator".
+    measure_time: record copy and stall timings (CUDA events on a GPU, a clock on the CPU loopback).
+    """
+
+    resident_layers: ResidentLayers = 0
+    prefetch_size: int = 1
+    policy: str = "leading"
+    pin_memory: Optional[bool] = None
+    measure_time: bool = True
+
+    def __post_init__(self):
+        _check_resident_layers(self.resident_layers)
+        if (isinstance(self.prefetch_size, bool) or not isinstance(self.prefetch_size, numbers.Integral)
+                or self.prefetch_size < 1):
+            raise ValueError(
+                f"prefetch_size must be an integer >= 1, got {self.prefetch_size!r}; "
+                f"1 copies the next streamed block while the current one computes")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.pin_memory not in (None, True, False):
+            raise ValueError(f"pin_memory must be True, False or None (automatic), got {self.pin_memory!r}")

@@ -1,0 +1,144 @@
+"""How copies reach the compute device: a side stream with events, or synchronously on the CPU.
+
+Both backends answer the same four calls, so the manager runs one code path whether it drives a
+GPU or loops back onto the CPU in tests.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Tuple
+
+import torch
+
+
+class CopyHandle:
+    """Something the compute side can wait on before it reads a copied block."""
+
+    __slots__ = ("done", "started")
+
+    def __init__(self, done, started=None):
+        self.done = done
+        self.started = started
+
+
+class SyncBackend:
+    """Copies happen at once on the calling thread; waiting is free.
+
+    Used when the compute device is the host (CPU loopback) or an accelerator without streams.
+    The time spent copying is all stall here, because nothing overlaps.
+    """
+
+    asynchronous = False
+
+    def __init__(self, device: torch.device, measure_time: bool = True):
+        self.device = device
+        self.measure_time = measure_time
+        self.copy_seconds = 0.0
+        self.stall_seconds = 0.0
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> Optional[CopyHandle]:
+        start = time.perf_counter() if self.measure_time else 0.0
+        dst.copy_(src)
+        if self.measure_time:
+            elapsed = time.perf_counter() - start
+            self.copy_seconds += elapsed
+            self.stall_seconds += elapsed
+        return None
+
+    def wait_for_copy(self, handle: Optional[CopyHandle]) -> None:
+        pass
+
+    def mark_compute(self):
+        return None
+
+    def settle(self, block: bool = True) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+class StreamBackend:
+    """Copies go on a dedicated stream; the compute stream waits on events, never the host."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device, measure_time: bool = True):
+        self.device = device
+        self.measure_time = measure_time
+        self.module = torch.get_device_module(device)
+        self.copy_stream = self.module.Stream(device=device)
+        self.copy_seconds = 0.0
+        self.stall_seconds = 0.0
+        # (start, end, is_stall) event pairs not yet read; read lazily so the host never blocks per block.
+        self._pending: List[Tuple[object, object, bool]] = []
+
+    def _event(self):
+        return self.module.Event(enable_timing=self.measure_time)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> CopyHandle:
+        started = None
+        with self.module.stream(self.copy_stream):
+            if after is not None:
+                # The slot may still be read by a block queued earlier on the compute stream.
+                self.copy_stream.wait_event(after)
+            if self.measure_time:
+                started = self._event()
+                started.record(self.copy_stream)
+            dst.copy_(src, non_blocking=True)
+            done = self._event()
+            done.record(self.copy_stream)
+        if self.measure_time:
+            self._pending.append((started, done, False))
+        return CopyHandle(done, started)
+
+    def wait_for_copy(self, handle: Optional[CopyHandle]) -> None:
+        if handle is None:
+            return
+        compute = self.module.current_stream(self.device)
+        if self.measure_time:
+            before = self._event()
+            before.record(compute)
+            compute.wait_event(handle.done)
+            after = self._event()
+            after.record(compute)
+            self._pending.append((before, after, True))
+        else:
+            compute.wait_event(handle.done)
+
+    def mark_compute(self):
+        event = self.module.Event()
+        event.record(self.module.current_stream(self.device))
+        return event
+
+    def settle(self, block: bool = True) -> None:
+        """Fold finished timing events into the totals; with ``block`` wait for all of them."""
+        keep = []
+        for start, end, is_stall in self._pending:
+            if block:
+                end.synchronize()
+            elif not end.query():
+                keep.append((start, end, is_stall))
+                continue
+            seconds = start.elapsed_time(end) / 1000.0
+            if is_stall:
+                self.stall_seconds += seconds
+            else:
+                self.copy_seconds += seconds
+        self._pending = keep
+
+    def synchronize(self) -> None:
+        self.copy_stream.synchronize()
+
+
+def make_backend(device: torch.device, measure_time: bool = True):
+    if device.type == "cpu":
+        return SyncBackend(device, measure_time)
+    try:
+        module = torch.get_device_module(device)
+    except (RuntimeError, AttributeError):
+        module = None
+    if module is not None and hasattr(module, "Stream") and hasattr(module, "Event") and hasattr(module, "stream"):
+        return StreamBackend(device, measure_time)
+    return SyncBackend(device, measure_time)

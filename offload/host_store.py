@@ -1,0 +1,153 @@
+"""Packing a block's parameters into one flat byte buffer, and viewing them back out.
+
+One buffer per block means one host-to-device copy per block, whatever its mix of dtypes.
+Parameters are grouped by dtype and each starts at an aligned offset, so every view is a
+plain reinterpretation of bytes (``view(dtype)``) with the parameter's own strides.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+log = logging.getLogger("layerwise_offload")
+
+ALIGNMENT_BYTES = 64
+
+
+@dataclass(frozen=True)
+class ParamEntry:
+    name: str
+    param: nn.Parameter
+    shape: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    dtype: torch.dtype
+    offset: int  # bytes from the start of the block's buffer
+    span_elements: int  # elements covered by the strided view, holes included
+
+
+@dataclass(frozen=True)
+class BlockLayout:
+    entries: Tuple[ParamEntry, ...]
+    nbytes: int
+
+    def views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
+        """Typed, strided views of every parameter inside ``buffer`` (a uint8 tensor)."""
+        views = []
+        for entry in self.entries:
+            nbytes = entry.span_elements * _itemsize(entry.dtype)
+            typed = buffer.narrow(0, entry.offset, nbytes).view(entry.dtype)
+            views.append(typed.as_strided(entry.shape, entry.stride))
+        return views
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return dtype.itemsize
+
+
+def _align(value: int, alignment: int = ALIGNMENT_BYTES) -> int:
+    return (value + alignment - 1) // alignment * alignment
+
+
+def _kept_stride(tensor: torch.Tensor) -> Tuple[Tuple[int, ...], int]:
+    """The stride to store ``tensor`` with, and the elements that stride spans.
+
+    A dense layout (contiguous or a permutation of it, e.g. a transposed weight) is kept as it is;
+    anything overlapping or with gaps is stored contiguous, since copying into it is undefined.
+    """
+    shape = tuple(tensor.shape)
+    numel = tensor.numel()
+    if numel == 0:
+        return tuple(torch.empty(shape).stride()), 0
+    if _is_dense_permutation(shape, tuple(tensor.stride())):
+        return tuple(tensor.stride()), numel
+    return tuple(torch.empty(shape).stride()), numel
+
+
+def _is_dense_permutation(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    expected = 1
+    for size, step in sorted((p for p in zip(shape, stride) if p[0] != 1), key=lambda p: p[1]):
+        if step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def block_parameters(block: nn.Module) -> List[Tuple[str, nn.Parameter]]:
+    return list(block.named_parameters(recurse=True))
+
+
+def plan_layout(named_params: Sequence[Tuple[str, nn.Parameter]]) -> BlockLayout:
+    by_dtype: Dict[torch.dtype, List[Tuple[str, nn.Parameter]]] = {}
+    for name, param in named_params:
+        by_dtype.setdefault(param.dtype, []).append((name, param))
+    entries = []
+    offset = 0
+    # Widest dtypes first keeps every group's start aligned without padding between groups.
+    for dtype in sorted(by_dtype, key=lambda d: (-_itemsize(d), str(d))):
+        for name, param in by_dtype[dtype]:
+            stride, span = _kept_stride(param.data)
+            offset = _align(offset)
+            entries.append(ParamEntry(name, param, tuple(param.shape), stride, dtype, offset, span))
+            offset += span * _itemsize(dtype)
+    return BlockLayout(tuple(entries), _align(offset))
+
+
+def allocate_host_buffer(nbytes: int, pin: bool) -> Tuple[torch.Tensor, bool]:
+    """A uint8 host buffer, page-locked when asked and possible. Returns (buffer, pinned)."""
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+        except RuntimeError as error:
+            log.warning("[layerwise-offload] could not pin %.1f MiB of host memory (%s); "
+                        "using pageable memory, copies will be slower", nbytes / 2**20, error)
+    return torch.empty(nbytes, dtype=torch.uint8), False
+
+
+class HostStore:
+    """The authoritative host copy of every managed block's parameters."""
+
+    def __init__(self, layouts: Sequence[BlockLayout]):
+        self.layouts = list(layouts)
+        self.buffers: List[Optional[torch.Tensor]] = [None] * len(layouts)
+        self.pinned: List[bool] = [False] * len(layouts)
+        self.pin_failed = False  # after one refusal, stop asking (and warning) for every block
+
+    @property
+    def built(self) -> bool:
+        return all(buffer is not None for buffer in self.buffers)
+
+    def pack_block(self, index: int, pin: bool) -> None:
+        """Copy a block's current parameter data into a fresh host buffer.
+
+        Writes only into the store's own memory: the source tensors (which may be ComfyUI's
+        CPU weights, or backups pointing at them) are read, never modified.
+        """
+        layout = self.layouts[index]
+        buffer, pinned = allocate_host_buffer(layout.nbytes, pin and not self.pin_failed)
+        self.pin_failed = self.pin_failed or (pin and not pinned)
+        with torch.no_grad():
+            for view, entry in zip(layout.views(buffer), layout.entries):
+                view.copy_(entry.param.data)
+        self.buffers[index] = buffer
+        self.pinned[index] = pinned
+
+    def views(self, index: int) -> List[torch.Tensor]:
+        buffer = self.buffers[index]
+        if buffer is None:
+            raise RuntimeError(f"block {index} has no host copy yet")
+        return self.layouts[index].views(buffer)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() for b in self.buffers if b is not None)
+
+    def pinned_nbytes(self) -> int:
+        return sum(b.numel() for b, p in zip(self.buffers, self.pinned) if b is not None and p)
+
+    def clear(self) -> None:
+        self.buffers = [None] * len(self.layouts)
+        self.pinned = [False] * len(self.layouts)

@@ -1,0 +1,445 @@
+"""The resident layerwise offload manager.
+
+Blocks keep their parameter objects for life; only ``param.data`` changes. A block is either
+*materialized* (its parameters are views into a device buffer) or *released* (its parameters are
+empty placeholders). Resident blocks own a device buffer each and stay materialized across
+forwards; streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copied in
+one ahead of use. The device footprint is therefore fixed by the plan and known before arming.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from contextlib import contextmanager
+from typing import Dict, Iterable, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from .config import OffloadConfig, resolve_resident_count
+from .device_backend import make_backend
+from .host_store import BlockLayout, HostStore, block_parameters, plan_layout
+from .schedule import Schedule, choose_resident_blocks
+from .stats import OffloadStats
+
+log = logging.getLogger("layerwise_offload")
+
+_compiler_disable = torch.compiler.disable
+
+
+class LayerwiseOffloadManager:
+    """Keeps the leading (or strided) blocks on ``device`` and streams the rest from host memory.
+
+    Args:
+        blocks: the transformer blocks in the order the model runs them (several lists joined).
+        device: the compute device. ``cpu`` runs the same code path synchronously (CPU loopback).
+        config: an :class:`OffloadConfig`; keyword arguments override its fields.
+
+    Lifecycle: ``attach()`` installs the hooks; the first block forward arms the plan (host store,
+    device slots, resident copies); ``release_all()`` returns every device byte; ``replan()``
+    changes the plan; ``detach()`` gives the blocks back as ordinary parameters.
+    """
+
+    def __init__(self, blocks: Sequence[nn.Module], device, config: Optional[OffloadConfig] = None,
+                 **overrides):
+        self.blocks: List[nn.Module] = list(blocks)
+        if not self.blocks:
+            raise ValueError("LayerwiseOffloadManager needs at least one block to manage")
+        if len({id(b) for b in self.blocks}) != len(self.blocks):
+            raise ValueError("the same module appears twice in the block list; pass each block once")
+        self.config = dataclasses.replace(config or OffloadConfig(), **overrides)
+        self.device = torch.device(device)
+        self.host_device = torch.device("cpu")
+        self._named_params = [block_parameters(b) for b in self.blocks]
+        self._check_no_shared_parameters()
+        self.backend = make_backend(self.device, self.config.measure_time)
+        self.store: Optional[HostStore] = None
+        self.schedule: Optional[Schedule] = None
+        self._hooks: List[torch.utils.hooks.RemovableHandle] = []
+        self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
+        self._reset_device_state()
+        self._bytes_copied = 0
+        self._copies_issued = 0
+        self._demand_copies = 0
+        self.copies_per_block = [0] * self.num_blocks
+        self._forwards = 0
+        self._forward_bytes = 0
+        self._forward_copies = 0
+        self._last_forward_bytes = 0
+        self._last_forward_copies = 0
+        self._peak_materialized = 0
+        self._peak_device_bytes = 0
+
+    # ----------------------------------------------------------------- state
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def armed(self) -> bool:
+        return self.schedule is not None
+
+    @property
+    def pin_memory(self) -> bool:
+        pin = self.config.pin_memory
+        return self.device.type != "cpu" if pin is None else pin
+
+    def is_materialized(self, index: int) -> bool:
+        return self._materialized[index]
+
+    def materialized_blocks(self) -> List[int]:
+        return [i for i, m in enumerate(self._materialized) if m]
+
+    def resident_count(self) -> int:
+        return resolve_resident_count(self.config.resident_layers, self.num_blocks)
+
+    def block_nbytes(self) -> List[int]:
+        """Bytes each block occupies on the device once materialized."""
+        if self.store is not None:
+            return [layout.nbytes for layout in self.store.layouts]
+        return [plan_layout(named).nbytes for named in self._named_params]
+
+    def planned_device_bytes(self, schedule: Optional[Schedule] = None) -> int:
+        """The device bytes the plan holds once armed: resident buffers plus streaming slots."""
+        schedule = schedule or self.schedule or self._make_schedule()
+        sizes = self.block_nbytes()
+        resident = sum(sizes[i] for i in schedule.resident_blocks)
+        streamed = [sizes[i] for i in schedule.streamed_blocks]
+        slots = min(self.config.prefetch_size + 1, len(streamed))
+        return resident + (slots * max(streamed) if streamed else 0)
+
+    def device_bytes(self) -> int:
+        held = sum(b.numel() for b in self._resident_buffers.values())
+        return held + sum(b.numel() for b in self._slots)
+
+    # ----------------------------------------------------------------- hooks
+    def attach(self, root: Optional[nn.Module] = None) -> "LayerwiseOffloadManager":
+        """Install the block hooks (and forward-scope hooks on ``root``, if given). Idempotent."""
+        if self._hooks:
+            return self
+        for index, block in enumerate(self.blocks):
+            self._hooks.append(block.register_forward_pre_hook(self._make_pre_hook(index)))
+            self._hooks.append(block.register_forward_hook(self._make_post_hook(index), always_call=True))
+        if root is not None:
+            self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
+            self._hooks.append(root.register_forward_hook(
+                lambda module, args, output: self.end_forward(), always_call=True))
+        return self
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @property
+    def hooks_installed(self) -> bool:
+        return bool(self._hooks)
+
+    def _make_pre_hook(self, index: int):
+        def pre_hook(module, args):
+            self.before_block(index)
+        return pre_hook
+
+    def _make_post_hook(self, index: int):
+        def post_hook(module, args, output):
+            self.after_block(index)
+        return post_hook
+
+    @contextmanager
+    def forward_scope(self):
+        """Count one model forward: per-forward counters cover what happens inside."""
+        self.begin_forward()
+        try:
+            yield self
+        finally:
+            self.end_forward()
+
+    @_compiler_disable
+    def begin_forward(self) -> None:
+        self._forwards += 1
+        self._forward_bytes = 0
+        self._forward_copies = 0
+        self.backend.settle(block=False)
+
+    @_compiler_disable
+    def end_forward(self) -> None:
+        self._last_forward_bytes = self._forward_bytes
+        self._last_forward_copies = self._forward_copies
+
+    # ----------------------------------------------------------------- the step
+    @_compiler_disable
+    def before_block(self, index: int) -> None:
+        if not self.armed:
+            self.arm()
+        if not self._materialized[index]:
+            self._demand_copies += 1
+            self._materialize(index, protect=self._upcoming(index))
+        handle = self._pending_copy[index]
+        if handle is not None:
+            self.backend.wait_for_copy(handle)
+            self._pending_copy[index] = None
+        self._running[index] += 1
+        self._prefetch_after(index)
+
+    @_compiler_disable
+    def after_block(self, index: int) -> None:
+        if self._running[index] > 0:
+            self._running[index] -= 1
+        if self.schedule is not None and not self.schedule.resident[index] and self._running[index] == 0:
+            self._release(index)
+
+    def _upcoming(self, index: int) -> List[int]:
+        return self.schedule.upcoming_streamed(index, self.config.prefetch_size)
+
+    def _prefetch_after(self, index: int) -> None:
+        targets = self._upcoming(index)
+        for target in targets:
+            if self._materialized[target]:
+                continue
+            if not self._materialize(target, protect=targets, may_fail=True):
+                break
+
+    # ----------------------------------------------------------------- arming
+    def prepare(self) -> None:
+        """Build the host store from the blocks' current parameters and release them. Idempotent."""
+        if self.store is not None:
+            return
+        layouts = [plan_layout(named) for named in self._named_params]
+        store = HostStore(layouts)
+        with torch.inference_mode(False):
+            for index in range(self.num_blocks):
+                store.pack_block(index, self.pin_memory)
+                self._point_at_placeholders(index)
+        self.store = store
+        if self.pin_memory and store.pinned_nbytes() < store.nbytes():
+            log.warning("[layerwise-offload] %.2f of %.2f GiB of the host store is pinned",
+                        store.pinned_nbytes() / 2**30, store.nbytes() / 2**30)
+
+    def _make_schedule(self) -> Schedule:
+        count = self.resident_count()
+        return Schedule(choose_resident_blocks(self.num_blocks, count, self.config.policy))
+
+    @_compiler_disable
+    def arm(self) -> None:
+        """Allocate the plan's device memory and queue the resident copies (done at the first forward)."""
+        if self.armed:
+            return
+        self.prepare()
+        schedule = self._make_schedule()
+        sizes = self.block_nbytes()
+        streamed = schedule.streamed_blocks
+        slot_count = min(self.config.prefetch_size + 1, len(streamed))
+        slot_bytes = max((sizes[i] for i in streamed), default=0)
+        self._move_block_buffers(self.device)
+        self.schedule = schedule
+        self._slots = [self._allocate_device(slot_bytes) for _ in range(slot_count)]
+        self._slot_owner = [None] * slot_count
+        self._slot_free = [None] * slot_count
+        for index in schedule.resident_blocks:
+            self._materialize(index)
+        self._note_peaks()
+
+    def _allocate_device(self, nbytes: int) -> torch.Tensor:
+        with torch.inference_mode(False):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def _move_block_buffers(self, device: torch.device) -> None:
+        for block in self.blocks:
+            for module in block.modules():
+                for key, buffer in module._buffers.items():
+                    if buffer is not None and buffer.device != device:
+                        module._buffers[key] = buffer.to(device)
+
+    # ----------------------------------------------------------------- copies
+    def _materialize(self, index: int, protect: Iterable[int] = (), may_fail: bool = False) -> bool:
+        # Views made under inference_mode would be inference tensors, unusable by autograd later.
+        with torch.inference_mode(False):
+            return self._materialize_normal(index, protect, may_fail)
+
+    def _materialize_normal(self, index: int, protect: Iterable[int], may_fail: bool) -> bool:
+        layout = self.store.layouts[index]
+        after = None
+        if self.schedule.resident[index]:
+            buffer = self._resident_buffers.get(index)
+            if buffer is None:
+                buffer = self._resident_buffers[index] = self._allocate_device(layout.nbytes)
+            views = self._view_cache.get(("resident", index))
+            if views is None:
+                views = self._view_cache[("resident", index)] = layout.views(buffer)
+            self._block_slot[index] = None
+        else:
+            slot = self._acquire_slot(set(protect), evict_protected=not may_fail)
+            if slot is None:
+                if may_fail:
+                    return False
+                raise RuntimeError(
+                    f"[layerwise-offload] no free device slot for block {index}: every slot holds a running "
+                    f"block; raise prefetch_size or check for re-entrant block calls")
+            buffer = self._slots[slot]
+            after = self._slot_free[slot]
+            views = self._view_cache.get((slot, index))
+            if views is None:
+                views = self._view_cache[(slot, index)] = layout.views(buffer)
+            self._slot_owner[slot] = index
+            self._block_slot[index] = slot
+        host = self.store.buffers[index]
+        self._pending_copy[index] = self.backend.copy(buffer.narrow(0, 0, layout.nbytes), host, after=after)
+        for entry, view in zip(layout.entries, views):
+            entry.param.data = view
+        self._materialized[index] = True
+        self._count_copy(index, layout.nbytes)
+        self._note_peaks()
+        return True
+
+    def _acquire_slot(self, protect: set, evict_protected: bool) -> Optional[int]:
+        for slot, owner in enumerate(self._slot_owner):
+            if owner is None:
+                return slot
+        # Evict a block nobody is running: first one the plan no longer expects (a skipped or
+        # out-of-order block), then an expected one, but only when a block needs a slot right now.
+        passes = (False, True) if evict_protected else (False,)
+        for allow_protected in passes:
+            for slot, owner in enumerate(self._slot_owner):
+                if self._running[owner] or (owner in protect and not allow_protected):
+                    continue
+                self._release(owner)
+                return slot
+        return None
+
+    def _count_copy(self, index: int, nbytes: int) -> None:
+        self._bytes_copied += nbytes
+        self._copies_issued += 1
+        self._forward_bytes += nbytes
+        self._forward_copies += 1
+        self.copies_per_block[index] += 1
+
+    def _note_peaks(self) -> None:
+        self._peak_materialized = max(self._peak_materialized, sum(self._materialized))
+        self._peak_device_bytes = max(self._peak_device_bytes, self.device_bytes())
+
+    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        placeholder = self._placeholders.get(dtype)
+        if placeholder is None:
+            with torch.inference_mode(False):
+                placeholder = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.host_device)
+        return placeholder
+
+    def _point_at_placeholders(self, index: int) -> None:
+        for _, param in self._named_params[index]:
+            param.data = self._placeholder(param.dtype)
+
+    def _release(self, index: int) -> None:
+        if not self._materialized[index]:
+            return
+        self._point_at_placeholders(index)
+        self._materialized[index] = False
+        self._pending_copy[index] = None
+        slot = self._block_slot[index]
+        if slot is not None:
+            self._slot_owner[slot] = None
+            self._slot_free[slot] = self.backend.mark_compute()
+            self._block_slot[index] = None
+
+    # ----------------------------------------------------------------- public release
+    @_compiler_disable
+    def release_layer(self, index: int, force: bool = False) -> bool:
+        """Release one block. Residents stay unless ``force``; a forced resident gives its buffer back.
+
+        Returns whether the block was released.
+        """
+        if not 0 <= index < self.num_blocks:
+            raise IndexError(f"block index {index} is outside 0..{self.num_blocks - 1}")
+        if not self._materialized[index]:
+            return False
+        if self.schedule is not None and self.schedule.resident[index] and not force:
+            return False
+        self._release(index)
+        buffer = self._resident_buffers.pop(index, None)
+        if buffer is not None:
+            self.backend.synchronize()
+            self._view_cache.pop(("resident", index), None)
+        return True
+
+    @_compiler_disable
+    def release_all(self) -> None:
+        """Release every block, residents included, and free every device byte the manager holds."""
+        self.backend.synchronize()
+        if self.store is not None:
+            for index in range(self.num_blocks):
+                self._release(index)
+        self.backend.settle(block=True)
+        self._reset_device_state()
+
+    def _reset_device_state(self) -> None:
+        self.schedule = None
+        self._materialized = [False] * self.num_blocks
+        self._pending_copy = [None] * self.num_blocks
+        self._block_slot: List[Optional[int]] = [None] * self.num_blocks
+        self._running = [0] * self.num_blocks
+        self._resident_buffers: Dict[int, torch.Tensor] = {}
+        self._slots: List[torch.Tensor] = []
+        self._slot_owner: List[Optional[int]] = []
+        self._slot_free: List[object] = []
+        self._view_cache: Dict[tuple, list] = {}
+
+    def replan(self, **changes) -> None:
+        """Change resident_layers / prefetch_size / policy; takes effect at the next forward."""
+        config = dataclasses.replace(self.config, **changes)
+        self.release_all()
+        self.config = config
+
+    @_compiler_disable
+    def detach(self, device=None) -> None:
+        """Give the blocks back as ordinary parameters on ``device`` (the host by default).
+
+        Removes the hooks and frees the device slots and the host store; the parameter objects are
+        the same ones the blocks had before the manager was made.
+        """
+        target = torch.device(device) if device is not None else self.host_device
+        self.release_all()
+        self.remove_hooks()
+        if self.store is not None:
+            with torch.inference_mode(False):
+                for index, layout in enumerate(self.store.layouts):
+                    for entry, view in zip(layout.entries, self.store.views(index)):
+                        entry.param.data = view.to(target, copy=True)
+            self.store = None
+        self._move_block_buffers(target)
+        self._placeholders = {}
+
+    # ----------------------------------------------------------------- stats
+    def stats(self, synchronize: bool = True) -> OffloadStats:
+        self.backend.settle(block=synchronize)
+        schedule = self.schedule or self._make_schedule()
+        return OffloadStats(
+            num_blocks=self.num_blocks,
+            resident_blocks=len(schedule.resident_blocks),
+            streamed_blocks=len(schedule.streamed_blocks),
+            forwards=self._forwards,
+            bytes_copied=self._bytes_copied,
+            copies_issued=self._copies_issued,
+            demand_copies=self._demand_copies,
+            bytes_copied_last_forward=self._last_forward_bytes,
+            copies_last_forward=self._last_forward_copies,
+            materialized_blocks=sum(self._materialized),
+            peak_materialized_blocks=self._peak_materialized,
+            resident_bytes=sum(b.numel() for b in self._resident_buffers.values()),
+            device_bytes=self.device_bytes(),
+            peak_device_bytes=self._peak_device_bytes,
+            planned_device_bytes=self.planned_device_bytes(schedule),
+            host_bytes=self.store.nbytes() if self.store is not None else 0,
+            pinned_host_bytes=self.store.pinned_nbytes() if self.store is not None else 0,
+            copy_seconds=self.backend.copy_seconds,
+            stall_seconds=self.backend.stall_seconds,
+        )
+
+    def _check_no_shared_parameters(self) -> None:
+        owner: Dict[int, int] = {}
+        for index, named in enumerate(self._named_params):
+            for name, param in named:
+                first = owner.setdefault(id(param), index)
+                if first != index:
+                    raise ValueError(
+                        f"parameter {name!r} of block {index} is shared with block {first}; "
+                        f"blocks that share weights cannot be offloaded separately")

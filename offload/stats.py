@@ -1,0 +1,37 @@
+"""Counters a manager keeps, as one snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    num_blocks: int
+    resident_blocks: int
+    streamed_blocks: int
+    forwards: int
+    bytes_copied: int  # host-to-device, since the manager was made
+    copies_issued: int
+    demand_copies: int  # copies issued when a block was about to run (not prefetched in time)
+    bytes_copied_last_forward: int
+    copies_last_forward: int
+    materialized_blocks: int
+    peak_materialized_blocks: int
+    resident_bytes: int  # device bytes of the resident blocks' own buffers
+    device_bytes: int  # every device byte the manager holds now (residents + streaming slots)
+    peak_device_bytes: int
+    planned_device_bytes: int  # what the current plan holds once armed
+    host_bytes: int
+    pinned_host_bytes: int
+    copy_seconds: float  # time copies took (copy stream, or the CPU clock on loopback)
+    stall_seconds: float  # time compute waited for copies
+
+    @property
+    def achieved_gbps(self) -> float:
+        return self.bytes_copied / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["achieved_gbps"] = self.achieved_gbps
+        return data
