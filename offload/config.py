@@ -11,6 +11,7 @@ from typing import Optional, Union
 log = logging.getLogger("layerwise_offload")
 
 POLICIES = ("leading", "strided")
+RELEASED_PARAMS = ("placeholder", "host")
 
 ResidentLayers = Union[int, float]
 
@@ -57,6 +58,10 @@ class OffloadConfig:
         blocks evenly over the step so their copies overlap more compute.
     pin_memory: page-lock the host store; ``None`` means "when the compute device is an accelerator".
     measure_time: record copy and stall timings (CUDA events on a GPU, a clock on the CPU loopback).
+    released_params: what a released block's parameters point at. ``placeholder`` (empty tensors)
+        makes any use of a released block fail loudly; ``host`` (views of the host store) keeps the
+        module a valid, partly offloaded model for code that runs it without the hooks, such as
+        ComfyUI loading a sibling clone of the same model.
     """
 
     resident_layers: ResidentLayers = 0
@@ -64,6 +69,7 @@ class OffloadConfig:
     policy: str = "leading"
     pin_memory: Optional[bool] = None
     measure_time: bool = True
+    released_params: str = "placeholder"
 
     def __post_init__(self):
         _check_resident_layers(self.resident_layers)
@@ -74,5 +80,8 @@ class OffloadConfig:
                 f"1 copies the next streamed block while the current one computes")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if self.released_params not in RELEASED_PARAMS:
+            raise ValueError(f"released_params must be one of {', '.join(RELEASED_PARAMS)}, "
+                             f"got {self.released_params!r}")
         if self.pin_memory not in (None, True, False):
             raise ValueError(f"pin_memory must be True, False or None (automatic), got {self.pin_memory!r}")

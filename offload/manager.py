@@ -52,6 +52,8 @@ class LayerwiseOffloadManager:
         self.device = torch.device(device)
         self.host_device = torch.device("cpu")
         self._named_params = [block_parameters(b) for b in self.blocks]
+        # Where each block's parameters point now (in _named_params order), to notice outside moves.
+        self._expected_pointers: List[Optional[List[int]]] = [None] * len(self.blocks)
         self._check_no_shared_parameters()
         self.backend = make_backend(self.device, self.config.measure_time)
         self.store: Optional[HostStore] = None
@@ -201,20 +203,53 @@ class LayerwiseOffloadManager:
                 break
 
     # ----------------------------------------------------------------- arming
-    def prepare(self) -> None:
-        """Build the host store from the blocks' current parameters and release them. Idempotent."""
-        if self.store is not None:
-            return
-        layouts = [plan_layout(named) for named in self._named_params]
-        store = HostStore(layouts)
-        with torch.inference_mode(False):
-            for index in range(self.num_blocks):
-                store.pack_block(index, self.pin_memory)
-                self._point_at_placeholders(index)
-        self.store = store
-        if self.pin_memory and store.pinned_nbytes() < store.nbytes():
+    def prepare(self) -> List[int]:
+        """Build the host store from the blocks' current parameters, or bring it up to date.
+
+        The first call packs every block. Later calls repack only blocks whose parameters were
+        replaced or moved by someone else (a LoRA bake swapping Parameter objects, a whole-model
+        ``.to()``), and return their indices; an unchanged model costs a pointer comparison.
+        """
+        if self.store is None:
+            self.store = HostStore([plan_layout(named) for named in self._named_params])
+            changed = list(range(self.num_blocks))
+        else:
+            changed = [i for i in range(self.num_blocks) if not self._block_is_ours(i)]
+        if changed and self.armed:
+            self.release_all()
+        for index in changed:
+            self._pack(index)
+        if changed and self.pin_memory and self.store.pinned_nbytes() < self.store.nbytes():
             log.warning("[layerwise-offload] %.2f of %.2f GiB of the host store is pinned",
-                        store.pinned_nbytes() / 2**30, store.nbytes() / 2**30)
+                        self.store.pinned_nbytes() / 2**30, self.store.nbytes() / 2**30)
+        return changed
+
+    def repack_block(self, index: int) -> None:
+        """Re-read one block's parameters (new objects or new values) into the host store."""
+        if self.armed:
+            self.release_all()
+        if self.store is None:
+            self.prepare()
+        else:
+            self._pack(index)
+
+    def _pack(self, index: int) -> None:
+        with torch.inference_mode(False):
+            named = block_parameters(self.blocks[index])
+            self._named_params[index] = named
+            self.store.layouts[index] = plan_layout(named)
+            self.store.pack_block(index, self.pin_memory)
+            self._drop_views(index)
+            self._materialized[index] = False
+            self._point_released(index)
+
+    def _block_is_ours(self, index: int) -> bool:
+        expected = self._expected_pointers[index]
+        named = block_parameters(self.blocks[index])
+        if expected is None or len(named) != len(self._named_params[index]):
+            return False
+        return all(param is known and param.data_ptr() == pointer
+                   for (_, param), (_, known), pointer in zip(named, self._named_params[index], expected))
 
     def _make_schedule(self) -> Schedule:
         count = self.resident_count()
@@ -285,8 +320,7 @@ class LayerwiseOffloadManager:
             self._block_slot[index] = slot
         host = self.store.buffers[index]
         self._pending_copy[index] = self.backend.copy(buffer.narrow(0, 0, layout.nbytes), host, after=after)
-        for entry, view in zip(layout.entries, views):
-            entry.param.data = view
+        self._point_at(index, views)
         self._materialized[index] = True
         self._count_copy(index, layout.nbytes)
         self._note_peaks()
@@ -325,14 +359,28 @@ class LayerwiseOffloadManager:
                 placeholder = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.host_device)
         return placeholder
 
-    def _point_at_placeholders(self, index: int) -> None:
-        for _, param in self._named_params[index]:
-            param.data = self._placeholder(param.dtype)
+    def _point_at(self, index: int, views: Sequence[torch.Tensor]) -> None:
+        for entry, view in zip(self.store.layouts[index].entries, views):
+            entry.param.data = view
+        self._expected_pointers[index] = [param.data_ptr() for _, param in self._named_params[index]]
+
+    def _point_released(self, index: int) -> None:
+        if self.config.released_params == "host":
+            views = self._view_cache.get(("host", index))
+            if views is None:
+                views = self._view_cache[("host", index)] = self.store.views(index)
+        else:
+            views = [self._placeholder(entry.dtype) for entry in self.store.layouts[index].entries]
+        self._point_at(index, views)
+
+    def _drop_views(self, index: int) -> None:
+        for key in [k for k in self._view_cache if k[1] == index]:
+            del self._view_cache[key]
 
     def _release(self, index: int) -> None:
         if not self._materialized[index]:
             return
-        self._point_at_placeholders(index)
+        self._point_released(index)
         self._materialized[index] = False
         self._pending_copy[index] = None
         slot = self._block_slot[index]
@@ -405,6 +453,7 @@ class LayerwiseOffloadManager:
                     for entry, view in zip(layout.entries, self.store.views(index)):
                         entry.param.data = view.to(target, copy=True)
             self.store = None
+        self._expected_pointers = [None] * self.num_blocks
         self._move_block_buffers(target)
         self._placeholders = {}
 

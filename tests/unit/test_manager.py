@@ -286,3 +286,38 @@ def test_nothing_is_touched_before_the_first_forward():
     assert manager.store is None and manager.device_bytes() == 0
     assert [p.data_ptr() for p in model.parameters()] == pointers
     assert manager.planned_device_bytes() > 0
+
+
+@pytest.mark.parametrize("resident", [0, 3])
+def test_released_blocks_can_point_at_the_host_store(sample_input, resident):
+    model, manager = offloaded(resident_layers=resident, released_params="host")
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), reference_output(sample_input))
+    manager.remove_hooks()
+    # Without hooks the model still runs: streamed blocks read their host copies.
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), reference_output(sample_input))
+    host_pointers = {v.data_ptr() for i in range(NUM_BLOCKS) for v in manager.store.views(i)}
+    for index, block in enumerate(model.blocks_in_call_order()):
+        on_host = all(p.data_ptr() in host_pointers for p in block.parameters())
+        assert on_host == (not manager.is_materialized(index))
+
+
+def test_prepare_repacks_blocks_changed_behind_its_back(sample_input):
+    """A whole-model .to() or a LoRA bake that swaps Parameter objects must not go unnoticed."""
+    model, manager = offloaded(resident_layers=2, released_params="host")
+    with torch.no_grad():
+        model(sample_input)
+    assert manager.prepare() == []
+    block = model.single_blocks[1]  # block 4, streamed
+    block.mix.weight = torch.nn.Parameter(block.mix.weight.data * 2)  # a "bake": new object, new values
+    model.double_blocks[0].up.weight.data = model.double_blocks[0].up.weight.data.clone()  # a "move"
+    changed = manager.prepare()
+    assert changed == [0, 4]
+    assert not manager.armed and manager.device_bytes() == 0
+    want_model = ToyTransformer()
+    want_model.single_blocks[1].mix.weight.data *= 2
+    with torch.no_grad():
+        want = want_model(sample_input)
+        assert torch.equal(model(sample_input), want)
+    assert manager.prepare() == []
