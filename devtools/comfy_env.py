@@ -1,0 +1,170 @@
+"""Find a real ComfyUI and import it in-process, the way tests, demos and benchmarks need it.
+
+Two rules this module enforces:
+
+* ComfyUI has a top-level module called ``nodes`` (and ``utils``, ``server``, ``execution``, ``tests``, ...), and
+  this repository has a ``nodes/`` folder. So the repository root never goes on ``sys.path``; the repository is
+  registered as the package ``layerwise_offload`` (:func:`register_pack`), as ComfyUI itself would import it
+  (a package named after its folder), and ComfyUI's folder goes first on ``sys.path`` (:func:`import_comfyui`).
+* ComfyUI reads its command line at import time (``comfy.cli_args``) and picks its device when
+  ``comfy.model_management`` is first imported. :func:`import_comfyui` turns argument parsing off and sets
+  ``args.cpu`` before that import, so the process never sees pytest's argv and runs on the CPU by default.
+
+This file has no relative imports, so a script can load it by path before the package exists::
+
+    import importlib.util, pathlib
+    p = pathlib.Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"
+    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", p)
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    mod.register_pack()                      # now: from layerwise_offload.devtools import tiny_dits
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.machinery
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Optional, Union
+
+__all__ = [
+    "PACK_NAME",
+    "repo_root",
+    "comfyui_path",
+    "register_pack",
+    "import_comfyui",
+]
+
+PACK_NAME = "layerwise_offload"
+
+PathLike = Union[str, os.PathLike]
+
+
+def repo_root() -> Path:
+    """The repository root (the folder holding ``offload/``, ``nodes/``, ``devtools/``)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def comfyui_path(path: Optional[PathLike] = None) -> Path:
+    """The ComfyUI folder to use: ``path`` if given, else ``$COMFYUI_PATH``, else ``<repo>/.comfyui/ComfyUI``
+    (installed by ``scripts/setup_env.sh``). Raises ``FileNotFoundError`` with the fix if it is not a ComfyUI."""
+    if path is None:
+        path = os.environ.get("COMFYUI_PATH") or (repo_root() / ".comfyui" / "ComfyUI")
+    p = Path(path).expanduser().resolve()
+    if not (p / "main.py").is_file() or not (p / "comfy").is_dir():
+        raise FileNotFoundError(
+            f"[layerwise-offload] no ComfyUI at {p} (expected main.py and comfy/). "
+            "Run `bash scripts/setup_env.sh` to install the vendored ComfyUI 0.3.75 into .comfyui/ComfyUI, "
+            "or set COMFYUI_PATH to your own ComfyUI checkout."
+        )
+    return p
+
+
+def register_pack(root: Optional[PathLike] = None, name: str = PACK_NAME) -> types.ModuleType:
+    """Register the repository as the package ``name`` WITHOUT running its root ``__init__.py`` (ComfyUI's entry
+    point, which imports ComfyUI). Afterwards ``import layerwise_offload.offload`` / ``.nodes`` / ``.devtools``
+    work with their relative imports. Idempotent; returns the package module."""
+    root = Path(root).resolve() if root is not None else repo_root()
+    existing = sys.modules.get(name)
+    if existing is not None:
+        paths = [str(Path(p).resolve()) for p in getattr(existing, "__path__", [])]
+        if str(root) not in paths:
+            raise RuntimeError(
+                f"[layerwise-offload] sys.modules[{name!r}] already points at {paths}, not {root}"
+            )
+        return existing
+    if str(root) in [str(Path(p).resolve()) for p in sys.path if p]:
+        raise RuntimeError(
+            f"[layerwise-offload] the repository root {root} is on sys.path; remove it: its nodes/ folder would "
+            "clash with ComfyUI's top-level module `nodes`."
+        )
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [str(root)]
+    pkg = types.ModuleType(name)
+    pkg.__spec__ = spec
+    pkg.__path__ = [str(root)]
+    pkg.__package__ = name
+    pkg.__file__ = None
+    sys.modules[name] = pkg
+    return pkg
+
+
+def _loaded_comfy_dir() -> Optional[Path]:
+    """The ComfyUI folder the already-imported ``comfy`` package comes from, if any."""
+    mod = sys.modules.get("comfy.model_management") or sys.modules.get("comfy.options")
+    if mod is None or not getattr(mod, "__file__", None):
+        return None
+    return Path(mod.__file__).resolve().parents[1]
+
+
+def import_comfyui(path: Optional[PathLike] = None, *, cpu: bool = True, import_nodes: bool = True) -> types.SimpleNamespace:
+    """Import ComfyUI in this process and return its commonly used modules.
+
+    - puts the ComfyUI folder (see :func:`comfyui_path`) first on ``sys.path``;
+    - ``comfy.options.enable_args_parsing(False)`` (ComfyUI must not parse pytest's argv);
+    - ``comfy.cli_args.args.cpu = cpu`` before ``comfy.model_management`` is imported (so the device is the CPU
+      unless ``cpu=False``; on a GPU machine pass ``cpu=False`` before anything else imports ComfyUI);
+    - imports ComfyUI's ``nodes`` (the built-in node classes) unless ``import_nodes=False``.
+
+    Idempotent. Raises ``RuntimeError`` if a different ComfyUI is already imported in this process, or if ComfyUI
+    was already imported with another device choice.
+
+    Returns a ``SimpleNamespace`` with: ``path`` (Path), ``comfy`` (package), ``args`` (comfy.cli_args.args),
+    ``model_management``, ``model_patcher``, ``patcher_extension``, ``sd``, ``sample``, ``samplers``, ``utils``,
+    ``supported_models``, ``model_base``, ``ops``, ``folder_paths`` and ``nodes`` (ComfyUI's, or None).
+    """
+    comfy_dir = comfyui_path(path)
+    loaded = _loaded_comfy_dir()
+    if loaded is not None and loaded != comfy_dir:
+        raise RuntimeError(
+            f"[layerwise-offload] ComfyUI from {loaded} is already imported; cannot also import {comfy_dir} "
+            "in the same process."
+        )
+    if str(comfy_dir) not in sys.path:
+        sys.path.insert(0, str(comfy_dir))
+
+    first_time = "comfy.model_management" not in sys.modules
+    import comfy.options
+
+    comfy.options.enable_args_parsing(False)
+    import comfy.cli_args
+
+    args = comfy.cli_args.args
+    if first_time:
+        args.cpu = bool(cpu)
+    elif bool(args.cpu) != bool(cpu):
+        raise RuntimeError(
+            f"[layerwise-offload] ComfyUI is already imported with cpu={args.cpu}; import_comfyui(cpu={cpu}) "
+            "cannot change the device any more (call it before anything imports comfy.model_management)."
+        )
+
+    mods = {}
+    for name in (
+        "comfy.model_management",
+        "comfy.utils",
+        "comfy.ops",
+        "comfy.model_patcher",
+        "comfy.patcher_extension",
+        "comfy.model_base",
+        "comfy.supported_models",
+        "comfy.sd",
+        "comfy.samplers",
+        "comfy.sample",
+        "folder_paths",
+    ):
+        mods[name.rsplit(".", 1)[-1]] = importlib.import_module(name)
+
+    comfy_nodes = None
+    if import_nodes:
+        comfy_nodes = importlib.import_module("nodes")
+        nodes_file = Path(getattr(comfy_nodes, "__file__", "") or "").resolve()
+        if nodes_file != comfy_dir / "nodes.py":
+            raise RuntimeError(
+                f"[layerwise-offload] `import nodes` gave {nodes_file}, not ComfyUI's {comfy_dir / 'nodes.py'}: "
+                "something put another folder with a `nodes` module ahead of ComfyUI on sys.path "
+                "(never put the layerwise-offload repository root on sys.path)."
+            )
+
+    return types.SimpleNamespace(path=comfy_dir, comfy=sys.modules["comfy"], args=args, nodes=comfy_nodes, **mods)
