@@ -1,0 +1,193 @@
+"""One offload per node output: the shared manager of a diffusion model, plus this output's settings.
+
+Several node outputs may offload the same loaded model (a changed input re-runs the node, two
+branches use different settings). They share one manager per diffusion model, so the host store
+is built once, and each output re-plans it to its own settings when it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import weakref
+from contextlib import contextmanager
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+
+from ..offload import LayerwiseOffloadManager, OffloadConfig
+from .discovery import DiscoveredBlocks
+
+log = logging.getLogger("layerwise_offload")
+
+_MANAGERS: "weakref.WeakKeyDictionary[nn.Module, LayerwiseOffloadManager]" = weakref.WeakKeyDictionary()
+
+DIFFUSION_MODEL_PREFIX = "diffusion_model."
+
+
+def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
+                   config: OffloadConfig) -> LayerwiseOffloadManager:
+    manager = _MANAGERS.get(diffusion_model)
+    if manager is None or manager.device != device:
+        if manager is not None:
+            manager.detach()
+        manager = LayerwiseOffloadManager(discovered.blocks, device, config)
+        _MANAGERS[diffusion_model] = manager
+    return manager
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB"
+
+
+class OffloadController:
+    def __init__(self, base_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
+                 config: OffloadConfig):
+        self.base_model = base_model  # ComfyUI's BaseModel: holds ``diffusion_model``
+        self.diffusion_model = base_model.diffusion_model
+        self.discovered = discovered
+        self.device = torch.device(device)
+        # Released blocks point at their host copies, so the model stays valid for ComfyUI code
+        # that runs it without our hooks (a sibling clone without offload, for instance).
+        self.config = dataclasses.replace(config, released_params="host")
+        self.manager = shared_manager(self.diffusion_model, discovered, self.device, self.config)
+        self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
+        self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
+        self._run_start = None
+
+    # ----------------------------------------------------------------- plan
+    def _use_own_settings(self) -> None:
+        manager = self.manager
+        wanted = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        current = {f.name: getattr(manager.config, f.name) for f in dataclasses.fields(manager.config)}
+        if wanted != current:
+            manager.replan(**wanted)
+
+    def non_block_bytes(self) -> int:
+        return sum(t.nelement() * t.element_size() for t in self._non_block_tensors())
+
+    def planned_footprint(self) -> int:
+        self._use_own_settings()
+        return self.non_block_bytes() + self.manager.planned_device_bytes()
+
+    def loaded_bytes(self) -> int:
+        on_device = sum(t.nelement() * t.element_size() for t in self._non_block_tensors()
+                        if t.device == self.device)
+        return on_device + self.manager.device_bytes()
+
+    def _non_block_modules(self):
+        for module in self.base_model.modules():
+            if id(module) not in self._block_module_ids:
+                yield module
+
+    def _non_block_tensors(self):
+        for module in self._non_block_modules():
+            for tensor in list(module._parameters.values()) + list(module._buffers.values()):
+                if tensor is not None:
+                    yield tensor
+
+    # ----------------------------------------------------------------- load / unload
+    def place(self, patcher, device_to) -> None:
+        """ComfyUI's load: non-block weights to the device (LoRA baked), blocks into the host store."""
+        self._use_own_settings()
+        self.put_non_block_weights(patcher, device_to)
+        self._bake_block_patches(patcher, device_to)
+        changed = self.manager.prepare()
+        if changed:
+            log.info("[layerwise-offload] host store: %d blocks packed (%s, %s pinned)", len(changed),
+                     _gib(self.manager.store.nbytes()), _gib(self.manager.store.pinned_nbytes()))
+
+    def put_non_block_weights(self, patcher, device_to) -> None:
+        device_to = torch.device(device_to)
+        prefix_of = {id(m): name for name, m in self.base_model.named_modules()}
+        for module in self._non_block_modules():
+            name = prefix_of.get(id(module), "")
+            if device_to == self.device:
+                for param_name in list(module._parameters):
+                    key = f"{name}.{param_name}" if name else param_name
+                    if key in patcher.patches and key not in patcher.backup:
+                        patcher.patch_weight_to_device(key, device_to)
+            for param in module._parameters.values():
+                if param is not None and param.device != device_to:
+                    param.data = param.data.to(device_to)
+            for key, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device_to:
+                    module._buffers[key] = buffer.to(device_to)
+
+    def _bake_block_patches(self, patcher, device_to) -> None:
+        """Bake LoRA into the host store the way ComfyUI bakes a fully loaded model.
+
+        ComfyUI's own ``patch_weight_to_device`` does the math (fp32 on the device, stochastic
+        rounding back to the weight dtype) and keeps its backup of the unpatched weight. A key with
+        a backup is baked already (ComfyUI clears the backups when it restores the originals).
+        One block at a time, so the device holds at most one block's patched weights before they
+        move to the host store.
+        """
+        pending: Dict[int, List[str]] = {}
+        for key in patcher.patches:
+            if key in patcher.backup:
+                continue
+            for index, prefix in enumerate(self.block_keys):
+                if key.startswith(prefix):
+                    pending.setdefault(index, []).append(key)
+                    break
+        for index in sorted(pending):
+            for key in pending[index]:
+                patcher.patch_weight_to_device(key, device_to)
+            self.manager.repack_block(index)
+        if pending:
+            log.info("[layerwise-offload] baked LoRA patches into %d blocks", len(pending))
+
+    def release_device_memory(self) -> None:
+        self.manager.release_all()
+
+    def free_device_memory(self, nbytes: int) -> int:
+        """ComfyUI asks for memory back: give all the manager holds (it re-arms at the next forward)."""
+        before = self.manager.device_bytes()
+        self.manager.release_all()
+        freed = before - self.manager.device_bytes()
+        if freed:
+            log.info("[layerwise-offload] ComfyUI asked for %s: released %s of resident blocks and slots",
+                     _gib(nbytes), _gib(freed))
+        return freed
+
+    # ----------------------------------------------------------------- sampling
+    @contextmanager
+    def forward(self, patcher):
+        self._use_own_settings()
+        self.manager.attach()
+        try:
+            with self.manager.forward_scope():
+                yield
+        finally:
+            self.manager.remove_hooks()
+            self.base_model.model_loaded_weight_memory = self.loaded_bytes()
+
+    def begin_run(self, patcher) -> None:
+        if self.manager.prepare():
+            log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
+        self._run_start = (time.perf_counter(), self.manager.stats(synchronize=False))
+
+    def end_run(self, patcher) -> Optional[str]:
+        if self._run_start is None:
+            return None
+        started, before = self._run_start
+        self._run_start = None
+        after = self.manager.stats()
+        forwards = after.forwards - before.forwards
+        if forwards == 0:
+            return None
+        moved = after.bytes_copied - before.bytes_copied
+        copy_seconds = after.copy_seconds - before.copy_seconds
+        stall = after.stall_seconds - before.stall_seconds
+        elapsed = time.perf_counter() - started
+        line = (f"[layerwise-offload] run: {forwards} forwards, {after.resident_blocks}/{after.num_blocks} blocks "
+                f"resident ({_gib(after.resident_bytes)}), {after.streamed_blocks} streamed, "
+                f"{moved / forwards / 2**20:.1f} MiB copied per forward, "
+                f"{(moved / copy_seconds / 1e9) if copy_seconds > 0 else 0.0:.2f} GB/s, "
+                f"stalled {stall:.3f} s of {elapsed:.3f} s, peak device {_gib(after.peak_device_bytes)}")
+        log.info(line)
+        self.last_run_line = line
+        return line

@@ -1,0 +1,66 @@
+"""Finding a DiT's transformer blocks, in the order the model runs them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from torch import nn
+
+# (families, block-list attributes on the diffusion model in call order). The first entry whose
+# first attribute is a non-empty ModuleList wins; later attributes are taken when present.
+BLOCK_LAYOUTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
+    ("Flux, Flux 2, Chroma, HunyuanVideo", ("double_blocks", "single_blocks")),
+    ("HiDream", ("double_stream_blocks", "single_stream_blocks")),
+    ("SD3, SD3.5", ("joint_blocks",)),
+    ("Qwen-Image, LTXV", ("transformer_blocks",)),
+    ("Lumina 2, Z-Image", ("context_refiner", "noise_refiner", "layers")),
+    # VACE blocks run interleaved with the main ones; listing them after keeps them managed, and
+    # the manager copes with the order differing from the list.
+    ("Wan 2.1, Wan 2.2 (VACE included)", ("blocks", "vace_blocks")),
+)
+
+SUPPORTED_FAMILIES = ", ".join(family for family, _ in BLOCK_LAYOUTS)
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DiscoveredBlocks:
+    family: str
+    attributes: Tuple[str, ...]
+    blocks: Tuple[nn.Module, ...]
+    prefixes: Tuple[str, ...]  # state-dict prefix of each block inside the diffusion model
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+
+def _module_list(model: nn.Module, name: str):
+    value = getattr(model, name, None)
+    return value if isinstance(value, nn.ModuleList) and len(value) > 0 else None
+
+
+def discover_blocks(diffusion_model: nn.Module) -> DiscoveredBlocks:
+    """The transformer blocks of a supported DiT, as one call-ordered list."""
+    for family, attributes in BLOCK_LAYOUTS:
+        if _module_list(diffusion_model, attributes[0]) is None:
+            continue
+        blocks: List[nn.Module] = []
+        prefixes: List[str] = []
+        found = []
+        for name in attributes:
+            module_list = _module_list(diffusion_model, name)
+            if module_list is None:
+                continue
+            found.append(name)
+            for index, block in enumerate(module_list):
+                blocks.append(block)
+                prefixes.append(f"{name}.{index}.")
+        return DiscoveredBlocks(family, tuple(found), tuple(blocks), tuple(prefixes))
+    raise UnsupportedModelError(
+        f"{type(diffusion_model).__name__} is not a supported diffusion transformer: none of its "
+        f"attributes is a transformer block list this pack knows. Supported families: {SUPPORTED_FAMILIES}. "
+        f"UNet models (SD1.5, SDXL) have no block list to stream; use ComfyUI's own memory management for them.")

@@ -1,0 +1,127 @@
+"""The ModelPatcher side of the offload: placement, accounting, LoRA and ComfyUI's unload paths.
+
+ComfyUI plans VRAM from ``model_size()`` / ``loaded_size()`` and places weights in
+``partially_load``. A small subclass of the input patcher's own class overrides exactly those, so
+ComfyUI sees the true footprint (non-block weights + resident blocks + streaming slots), places only
+non-block weights itself, and leaves block weights to the manager instead of copying them to the GPU
+and having them thrown away. Clones of the output (a LoRA loader after this node) keep the subclass.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Dict, Type
+
+import comfy.model_management
+import comfy.patcher_extension
+from comfy.patcher_extension import CallbacksMP
+
+from .controller import OffloadController
+
+log = logging.getLogger("layerwise_offload")
+
+_SUBCLASSES: Dict[type, type] = {}
+
+
+def offload_patcher_class(base: type) -> Type:
+    """A subclass of ``base`` with the offload overrides, one per base class."""
+    if issubclass(base, LayerwiseOffloadPatcherMixin):
+        return base
+    subclass = _SUBCLASSES.get(base)
+    if subclass is None:
+        subclass = _SUBCLASSES[base] = type(f"LayerwiseOffload{base.__name__}", (LayerwiseOffloadPatcherMixin, base), {})
+    return subclass
+
+
+class LayerwiseOffloadPatcherMixin:
+    """Overrides on the cloned patcher; the controller lives in ``attachments`` and is shared by clones."""
+
+    ATTACHMENT = "layerwise_offload"
+
+    @property
+    def offload_controller(self) -> OffloadController:
+        return self.attachments[self.ATTACHMENT]
+
+    def model_size(self):
+        controller = self.attachments.get(self.ATTACHMENT) if hasattr(self, "attachments") else None
+        if controller is None:  # during ModelPatcher.__init__, before the attachment exists
+            return super().model_size()
+        return controller.planned_footprint()
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        controller = self.offload_controller
+        with self.use_ejected(skip_and_inject_on_exit_only=True):
+            current_uuid = self.model.current_weight_patches_uuid
+            patches_changed = (current_uuid is not None and current_uuid != self.patches_uuid) or force_patch_weights
+            before = self.model.model_loaded_weight_memory
+            if patches_changed:
+                # A LoRA was added, removed or changed: give the device back, let ComfyUI restore its
+                # unpatched weights, and bake the new patches below.
+                controller.release_device_memory()
+            self.unpatch_model(self.offload_device, unpatch_weights=patches_changed)
+            self.patch_model(load_weights=False)
+            controller.place(self, device_to)
+            self.model.model_lowvram = True
+            self.model.device = device_to
+            self.model.current_weight_patches_uuid = self.patches_uuid
+            self.model.model_loaded_weight_memory = controller.loaded_bytes()
+            for callback in self.get_all_callbacks(CallbacksMP.ON_LOAD):
+                callback(self, device_to, extra_memory, force_patch_weights, False)
+        return max(0, self.model.model_loaded_weight_memory - before)
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+        freed = self.offload_controller.free_device_memory(memory_to_free)
+        self.model.model_loaded_weight_memory = self.offload_controller.loaded_bytes()
+        return freed
+
+    def detach(self, unpatch_all=True):
+        controller = self.attachments.get(self.ATTACHMENT)
+        if unpatch_all and controller is not None:
+            # A full eviction (ComfyUI unloading the model): every device byte goes back. A detach
+            # without unpatch_all is ComfyUI re-listing a model it keeps loaded; residents stay.
+            controller.release_device_memory()
+            controller.put_non_block_weights(self, self.offload_device)
+        return super().detach(unpatch_all)
+
+    def clone(self, *args, **kwargs):
+        clone = super().clone(*args, **kwargs)
+        if not isinstance(clone, LayerwiseOffloadPatcherMixin):
+            clone.__class__ = offload_patcher_class(type(clone))
+        return clone
+
+
+def apply_model_wrapper(executor, *args, **kwargs):
+    """Installs the block hooks for exactly one forward of this model, then removes them."""
+    patcher = getattr(executor.class_obj, "current_patcher", None)
+    controller = getattr(patcher, "attachments", {}).get(LayerwiseOffloadPatcherMixin.ATTACHMENT)
+    if controller is None:
+        return executor(*args, **kwargs)
+    with controller.forward(patcher):
+        return executor(*args, **kwargs)
+
+
+def on_pre_run(patcher):
+    controller = patcher.attachments.get(LayerwiseOffloadPatcherMixin.ATTACHMENT)
+    if controller is not None:
+        controller.begin_run(patcher)
+
+
+def on_cleanup(patcher):
+    controller = patcher.attachments.get(LayerwiseOffloadPatcherMixin.ATTACHMENT)
+    if controller is not None:
+        controller.end_run(patcher)
+
+
+def make_offloaded_clone(model, controller: OffloadController):
+    patcher = model.clone()
+    patcher.__class__ = offload_patcher_class(type(patcher))
+    patcher.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT] = controller
+    key = LayerwiseOffloadPatcherMixin.ATTACHMENT
+    patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, key, apply_model_wrapper)
+    patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, key, on_pre_run)
+    patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, key, on_cleanup)
+    return patcher
+
+
+def load_device_is_cpu(model) -> bool:
+    return comfy.model_management.is_device_cpu(model.load_device)
