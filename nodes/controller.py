@@ -17,10 +17,16 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+import comfy.model_management
+
 from ..offload import LayerwiseOffloadManager, OffloadConfig
+from ..offload.advice import RunReport, recommend
+from ..offload.planner import describe, estimate_activation_bytes, plan_residency
 from .discovery import DiscoveredBlocks
 
 log = logging.getLogger("layerwise_offload")
+
+AUTO_RESIDENT = -1  # resident_layers value that asks for the automatic plan
 
 _MANAGERS: "weakref.WeakKeyDictionary[nn.Module, LayerwiseOffloadManager]" = weakref.WeakKeyDictionary()
 
@@ -44,7 +50,7 @@ def _gib(nbytes: int) -> str:
 
 class OffloadController:
     def __init__(self, base_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
-                 config: OffloadConfig):
+                 config: OffloadConfig, auto: bool = False):
         self.base_model = base_model  # ComfyUI's BaseModel: holds ``diffusion_model``
         self.diffusion_model = base_model.diffusion_model
         self.discovered = discovered
@@ -52,6 +58,12 @@ class OffloadController:
         # Released blocks point at their host copies, so the model stays valid for ComfyUI code
         # that runs it without our hooks (a sibling clone without offload, for instance).
         self.config = dataclasses.replace(config, released_params="host")
+        # Auto mode: the resident count is chosen at the first forward of each run (see _plan_auto).
+        self.auto = auto
+        self._auto_planned_this_run = False
+        self.last_plan = None
+        self.last_report: Optional[RunReport] = None
+        self.last_recommendation: Optional[str] = None
         self.manager = shared_manager(self.diffusion_model, discovered, self.device, self.config)
         self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
@@ -154,8 +166,29 @@ class OffloadController:
         return freed
 
     # ----------------------------------------------------------------- sampling
+    def _plan_auto(self, x: torch.Tensor) -> None:
+        """Keep as many leading blocks as fit in what ComfyUI says is free on the device now."""
+        held = self.manager.device_bytes()  # ours already: a new plan may reuse it
+        free = int(comfy.model_management.get_free_memory(self.device)) + held
+        reserve = int(comfy.model_management.minimum_inference_memory())
+        tokens = max(1, x[0, 0].numel() // 4)  # DiTs patchify latents 2x2 (Flux, Wan, Qwen, Hunyuan, SD3, Lumina)
+        activations = estimate_activation_bytes(tokens, self._hidden_size(), x.element_size(), batch=x.shape[0])
+        plan = plan_residency(self.manager.block_nbytes(), free, reserve_bytes=reserve, activation_bytes=activations,
+                              prefetch_size=self.config.prefetch_size, policy=self.config.policy)
+        if plan != self.last_plan:
+            log.info(describe(plan))
+        self.last_plan = plan
+        self.config = dataclasses.replace(self.config, resident_layers=plan.resident_count)
+
+    def _hidden_size(self) -> int:
+        widths = [m.in_features for m in self.discovered.blocks[0].modules() if isinstance(m, nn.Linear)]
+        return min(widths) if widths else 1
+
     @contextmanager
-    def forward(self, patcher):
+    def forward(self, patcher, x: Optional[torch.Tensor] = None):
+        if self.auto and not self._auto_planned_this_run and isinstance(x, torch.Tensor):
+            self._plan_auto(x)
+            self._auto_planned_this_run = True
         self._use_own_settings()
         self.manager.attach()
         try:
@@ -168,6 +201,7 @@ class OffloadController:
     def begin_run(self, patcher) -> None:
         if self.manager.prepare():
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
+        self._auto_planned_this_run = False
         self._run_start = (time.perf_counter(), self.manager.stats(synchronize=False))
 
     def end_run(self, patcher) -> Optional[str]:
@@ -179,15 +213,16 @@ class OffloadController:
         forwards = after.forwards - before.forwards
         if forwards == 0:
             return None
-        moved = after.bytes_copied - before.bytes_copied
-        copy_seconds = after.copy_seconds - before.copy_seconds
-        stall = after.stall_seconds - before.stall_seconds
-        elapsed = time.perf_counter() - started
-        line = (f"[layerwise-offload] run: {forwards} forwards, {after.resident_blocks}/{after.num_blocks} blocks "
-                f"resident ({_gib(after.resident_bytes)}), {after.streamed_blocks} streamed, "
-                f"{moved / forwards / 2**20:.1f} MiB copied per forward, "
-                f"{(moved / copy_seconds / 1e9) if copy_seconds > 0 else 0.0:.2f} GB/s, "
-                f"stalled {stall:.3f} s of {elapsed:.3f} s, peak device {_gib(after.peak_device_bytes)}")
+        report = RunReport(
+            forwards=forwards, resident_blocks=after.resident_blocks, num_blocks=after.num_blocks,
+            resident_bytes=after.resident_bytes, bytes_per_forward=after.bytes_copied_last_forward,
+            run_bytes=after.bytes_copied - before.bytes_copied,
+            copy_seconds=after.copy_seconds - before.copy_seconds,
+            stall_seconds=after.stall_seconds - before.stall_seconds,
+            run_seconds=time.perf_counter() - started, peak_device_bytes=after.peak_device_bytes,
+            pinned_host_bytes=after.pinned_host_bytes)
+        self.last_report = report
+        self.last_recommendation = recommend(report, self.manager.block_nbytes())
+        line = f"[layerwise-offload] run: {report.figures()}; {self.last_recommendation}"
         log.info(line)
-        self.last_run_line = line
         return line

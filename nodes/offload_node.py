@@ -7,10 +7,10 @@ import os
 
 import comfy.model_management
 
-from ..offload import POLICIES, OffloadConfig
+from ..offload import POLICIES, OffloadConfig, resolve_resident_count
 from .discovery import SUPPORTED_FAMILIES, discover_blocks
 from .dynamic_vram import non_dynamic_patcher
-from .controller import OffloadController
+from .controller import AUTO_RESIDENT, OffloadController
 from .patcher import make_offloaded_clone
 
 log = logging.getLogger("layerwise_offload")
@@ -30,7 +30,8 @@ TOOLTIPS = {
     "resident_layers": (
         "How many of the first blocks the model runs stay in VRAM for the whole run. Each resident block "
         "is never copied again; the rest are copied in every step. 0 streams every block. Raise it until "
-        "VRAM is nearly full; values above the block count keep everything resident."),
+        "VRAM is nearly full; values above the block count keep everything resident. -1 (auto) keeps as "
+        "many as fit in the free VRAM at the first step of each run, after room for activations."),
     "prefetch_size": (
         "How many streamed blocks are copied ahead of the one computing. 1 is enough when copies are "
         "hidden behind compute; each extra block costs one block of VRAM."),
@@ -45,6 +46,28 @@ TOOLTIPS = {
 DEFAULTS = {"resident_layers": 0, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True}
 MAX_RESIDENT_LAYERS = 4096
 MAX_PREFETCH = 64
+MIN_RESIDENT_LAYERS = AUTO_RESIDENT
+
+STATS_NODE_ID = "LayerwiseOffloadStats"
+STATS_DISPLAY_NAME = "Layerwise Offload Stats"
+STATS_DESCRIPTION = (
+    "Shows the last sampling run of an offloaded model: blocks resident and streamed, bytes copied per step, "
+    "GB/s, time waited for copies, peak VRAM, pinned RAM, and what to change.")
+STATS_TOOLTIPS = {
+    "model": "The MODEL output of a Layerwise Offload node.",
+    "after": "Connect the sampler's LATENT output so the figures are read after that sampler ran.",
+}
+
+
+def offload_stats_text(model) -> str:
+    """The stats node's text: the last run's figures and a recommendation in words."""
+    from .patcher import LayerwiseOffloadPatcherMixin
+    controller = getattr(model, "attachments", {}).get(LayerwiseOffloadPatcherMixin.ATTACHMENT)
+    if controller is None:
+        return "This MODEL is not offloaded: connect the output of a Layerwise Offload node."
+    if controller.last_report is None:
+        return "No sampling run finished yet with this model: queue the prompt, then read this again."
+    return f"{controller.last_report.figures()}\n{controller.last_recommendation}"
 
 
 def cpu_loopback_requested() -> bool:
@@ -54,6 +77,9 @@ def cpu_loopback_requested() -> bool:
 def offload_model(model, resident_layers=0, prefetch_size=1, residency_policy="leading", pin_memory=True):
     """The node's work: a clone of ``model`` whose transformer blocks are managed by the offload."""
     # Page-locking only speeds up copies to an accelerator; on the CPU loopback it would only warn.
+    auto = resident_layers == AUTO_RESIDENT
+    if auto:
+        resident_layers = 0  # until the first forward, when the free VRAM and the latent are known
     pin = bool(pin_memory) and not comfy.model_management.is_device_cpu(model.load_device)
     config = OffloadConfig(resident_layers=resident_layers, prefetch_size=prefetch_size,
                            policy=residency_policy, pin_memory=pin)
@@ -66,13 +92,13 @@ def offload_model(model, resident_layers=0, prefetch_size=1, residency_policy="l
     base_model = model.model
     diffusion_model = model.get_model_object("diffusion_model")
     discovered = discover_blocks(diffusion_model)
-    controller = OffloadController(base_model, discovered, model.load_device, config)
-    log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %d resident, prefetch %d, %s, pin_memory=%s",
-             type(diffusion_model).__name__, discovered.family, len(discovered),
-             "+".join(discovered.attributes), controller.manager.resident_count(), prefetch_size,
-             residency_policy, bool(pin_memory))
+    controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto)
+    log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, pin_memory=%s",
+             type(diffusion_model).__name__, discovered.family, len(discovered), "+".join(discovered.attributes),
+             "auto" if auto else resolve_resident_count(config.resident_layers, len(discovered)), prefetch_size,
+             residency_policy, pin)
     return make_offloaded_clone(model, controller)
 
 
-__all__ = ["offload_model", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
+__all__ = ["offload_model", "offload_stats_text", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
            "POLICIES", "CPU_LOOPBACK_ENV"]

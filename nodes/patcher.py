@@ -96,7 +96,7 @@ def apply_model_wrapper(executor, *args, **kwargs):
     controller = getattr(patcher, "attachments", {}).get(LayerwiseOffloadPatcherMixin.ATTACHMENT)
     if controller is None:
         return executor(*args, **kwargs)
-    with controller.forward(patcher):
+    with controller.forward(patcher, args[0] if args else kwargs.get("x")):
         return executor(*args, **kwargs)
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS, NODE_ID,
-                           POLICIES, TOOLTIPS, offload_model)
+from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
+                           MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
+                           STATS_TOOLTIPS, TOOLTIPS, offload_model, offload_stats_text)
 
 
 class LayerwiseOffloadV1:
@@ -16,7 +17,7 @@ class LayerwiseOffloadV1:
     def INPUT_TYPES(cls):
         return {"required": {
             "model": ("MODEL", {"tooltip": TOOLTIPS["model"]}),
-            "resident_layers": ("INT", {"default": DEFAULTS["resident_layers"], "min": 0, "max": MAX_RESIDENT_LAYERS,
+            "resident_layers": ("INT", {"default": DEFAULTS["resident_layers"], "min": MIN_RESIDENT_LAYERS, "max": MAX_RESIDENT_LAYERS,
                                         "tooltip": TOOLTIPS["resident_layers"]}),
             "prefetch_size": ("INT", {"default": DEFAULTS["prefetch_size"], "min": 1, "max": MAX_PREFETCH,
                                       "tooltip": TOOLTIPS["prefetch_size"]}),
@@ -29,5 +30,26 @@ class LayerwiseOffloadV1:
         return (offload_model(model, resident_layers, prefetch_size, residency_policy, pin_memory),)
 
 
-NODE_CLASS_MAPPINGS = {NODE_ID: LayerwiseOffloadV1}
-NODE_DISPLAY_NAME_MAPPINGS = {NODE_ID: DISPLAY_NAME}
+class LayerwiseOffloadStatsV1:
+    DESCRIPTION = STATS_DESCRIPTION
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("STRING",)
+    FUNCTION = "show"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL", {"tooltip": STATS_TOOLTIPS["model"]})},
+                "optional": {"after": ("LATENT", {"tooltip": STATS_TOOLTIPS["after"]})}}
+
+    @classmethod
+    def IS_CHANGED(cls, **kwargs):
+        return float("nan")  # the figures change with every run
+
+    def show(self, model, after=None):
+        text = offload_stats_text(model)
+        return {"ui": {"text": [text]}, "result": (text,)}
+
+
+NODE_CLASS_MAPPINGS = {NODE_ID: LayerwiseOffloadV1, STATS_NODE_ID: LayerwiseOffloadStatsV1}
+NODE_DISPLAY_NAME_MAPPINGS = {NODE_ID: DISPLAY_NAME, STATS_NODE_ID: STATS_DISPLAY_NAME}

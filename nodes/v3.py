@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from comfy_api.latest import ComfyExtension, io
+from comfy_api.latest import ComfyExtension, io, ui
 
-from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS, NODE_ID,
-                           POLICIES, TOOLTIPS, offload_model)
+from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
+                           MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
+                           STATS_TOOLTIPS, TOOLTIPS, offload_model, offload_stats_text)
 
 
 class LayerwiseOffload(io.ComfyNode):
@@ -18,7 +19,7 @@ class LayerwiseOffload(io.ComfyNode):
             description=DESCRIPTION,
             inputs=[
                 io.Model.Input("model", tooltip=TOOLTIPS["model"]),
-                io.Int.Input("resident_layers", default=DEFAULTS["resident_layers"], min=0, max=MAX_RESIDENT_LAYERS,
+                io.Int.Input("resident_layers", default=DEFAULTS["resident_layers"], min=MIN_RESIDENT_LAYERS, max=MAX_RESIDENT_LAYERS,
                              tooltip=TOOLTIPS["resident_layers"]),
                 io.Int.Input("prefetch_size", default=DEFAULTS["prefetch_size"], min=1, max=MAX_PREFETCH,
                              tooltip=TOOLTIPS["prefetch_size"]),
@@ -34,9 +35,32 @@ class LayerwiseOffload(io.ComfyNode):
         return io.NodeOutput(offload_model(model, resident_layers, prefetch_size, residency_policy, pin_memory))
 
 
+class LayerwiseOffloadStats(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=STATS_NODE_ID,
+            display_name=STATS_DISPLAY_NAME,
+            category=CATEGORY,
+            description=STATS_DESCRIPTION,
+            is_output_node=True,
+            not_idempotent=True,
+            inputs=[
+                io.Model.Input("model", tooltip=STATS_TOOLTIPS["model"]),
+                io.Latent.Input("after", optional=True, tooltip=STATS_TOOLTIPS["after"]),
+            ],
+            outputs=[io.String.Output(tooltip="The same text, for other nodes.")],
+        )
+
+    @classmethod
+    def execute(cls, model, after=None) -> io.NodeOutput:
+        text = offload_stats_text(model)
+        return io.NodeOutput(text, ui=ui.PreviewText(text))
+
+
 class LayerwiseOffloadExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [LayerwiseOffload]
+        return [LayerwiseOffload, LayerwiseOffloadStats]
 
 
 async def comfy_entrypoint() -> LayerwiseOffloadExtension:

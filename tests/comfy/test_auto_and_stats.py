@@ -1,0 +1,102 @@
+"""Auto resident count from ComfyUI's free-memory figure, per-run telemetry and the stats node."""
+
+import pytest
+import torch
+
+import comfy.model_management as mm
+
+from layerwise_offload.devtools import tiny_dits
+from layerwise_offload.nodes.offload_node import CPU_LOOPBACK_ENV, offload_model, offload_stats_text
+from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
+from layerwise_offload.nodes.v1 import LayerwiseOffloadStatsV1
+from layerwise_offload.offload.planner import estimate_activation_bytes, plan_residency
+
+
+@pytest.fixture(autouse=True)
+def loopback(monkeypatch):
+    monkeypatch.setenv(CPU_LOOPBACK_ENV, "1")
+    mm.unload_all_models()
+    yield
+    mm.unload_all_models()
+
+
+def controller_of(patcher):
+    return patcher.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
+
+
+def fake_free_memory(monkeypatch, free_bytes):
+    """ComfyUI's one free-memory function, and nothing else, reports ``free_bytes``."""
+    def get_free_memory(dev=None, torch_free_too=False):
+        return (free_bytes, free_bytes) if torch_free_too else free_bytes
+    monkeypatch.setattr(mm, "get_free_memory", get_free_memory)
+
+
+def wan_activation_bytes():
+    latent = tiny_dits.TINY_FAMILIES["wan21"].latent_shape  # (1, 16, 2, 8, 8)
+    tokens = 2 * 8 * 8 // 4
+    return estimate_activation_bytes(tokens, 256, 4, batch=2 * latent[0])  # cond + uncond batched
+
+
+def test_auto_keeps_as_many_blocks_as_the_faked_free_memory_allows(monkeypatch):
+    want = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
+    mm.unload_all_models()
+    model = offload_model(tiny_dits.build_tiny("wan21"), -1, 1, "leading", True)
+    manager = controller_of(model).manager
+    sizes = manager.block_nbytes()
+    reserve = int(mm.minimum_inference_memory())
+    activations = wan_activation_bytes()
+    # Room for one resident block and two streaming slots (three blocks); keeping all four resident, or
+    # two resident plus two slots, would need four.
+    free = reserve + activations + sizes[0] + 2 * max(sizes[1:])
+    expected = plan_residency(sizes, free, reserve_bytes=reserve, activation_bytes=activations, prefetch_size=1)
+    assert expected.resident_count == 1
+    fake_free_memory(monkeypatch, free)
+    assert torch.equal(tiny_dits.sample(model, seed=3), want)
+    assert manager.schedule.resident_blocks == (0,)
+    assert controller_of(model).last_plan == expected
+
+    # More free memory at the next prompt: the plan grows, output unchanged.
+    fake_free_memory(monkeypatch, free + 10 * sum(sizes))
+    assert torch.equal(tiny_dits.sample(model, seed=3), want)
+    assert len(manager.schedule.resident_blocks) == 4
+
+    # Too little for even the streaming slots: stream everything, never fail. (ComfyUI itself also reads
+    # the figure: with nothing free it runs cond and uncond as separate forwards, so the reference is
+    # taken under the same figure.)
+    fake_free_memory(monkeypatch, 0)
+    want_unbatched = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
+    assert torch.equal(tiny_dits.sample(model, seed=3), want_unbatched)
+    assert manager.schedule.resident_blocks == ()
+
+
+def test_run_telemetry_counts_streamed_bytes_times_forwards():
+    model = offload_model(tiny_dits.build_tiny("flux"), 2, 1, "strided", True)
+    manager = controller_of(model).manager
+    forwards = []
+    tiny_dits.sample(model, seed=3, steps=3, callback=lambda *a: forwards.append(1))
+    report = controller_of(model).last_report
+    sizes = manager.block_nbytes()
+    streamed = [sizes[i] for i in manager.schedule.streamed_blocks]
+    assert report.forwards == len(forwards) == 3
+    assert report.bytes_per_forward == sum(streamed)
+    # The run copies the residents once, the streamed blocks once per forward, and after the last block
+    # the prefetch that wraps around to the first streamed block(s) of the next step.
+    wrapped = manager.schedule.upcoming_streamed(manager.num_blocks - 1, manager.config.prefetch_size)
+    resident = sum(sizes[i] for i in manager.schedule.resident_blocks)
+    assert report.run_bytes == manager.stats().bytes_copied == resident + 3 * sum(streamed) + sum(sizes[i] for i in wrapped)
+    assert report.resident_blocks == 2 and report.num_blocks == 5
+    assert report.copy_seconds > 0 and report.stall_seconds > 0  # loopback copies are all stall
+
+
+def test_stats_node_shows_the_last_run():
+    model = offload_model(tiny_dits.build_tiny("wan21"), 1, 1, "leading", True)
+    assert "No sampling run finished yet" in offload_stats_text(model)
+    tiny_dits.sample(model, seed=3)
+    result = LayerwiseOffloadStatsV1().show(model)
+    text = result["result"][0]
+    assert result["ui"]["text"] == [text]
+    assert "1/4 blocks resident" in text and "copied per forward" in text
+    # On the CPU loopback every copy blocks compute, so the advice is to keep more blocks resident.
+    assert "raise resident_layers" in text
+    plain = tiny_dits.build_tiny("wan21")
+    assert "not offloaded" in offload_stats_text(plain)
