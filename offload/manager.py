@@ -19,6 +19,7 @@ from torch import nn
 
 from .config import OffloadConfig, resolve_resident_count
 from .device_backend import make_backend
+from .host_memory import available_host_bytes, pinnable_bytes
 from .host_store import BlockLayout, HostStore, block_parameters, plan_layout
 from .schedule import Schedule, choose_resident_blocks
 from .stats import OffloadStats
@@ -26,6 +27,9 @@ from .stats import OffloadStats
 log = logging.getLogger("layerwise_offload")
 
 _compiler_disable = torch.compiler.disable
+
+# Never let the host store take the host below this much available memory: fail with a clear error instead.
+HOST_OOM_MARGIN_BYTES = 512 * 2**20
 
 
 class LayerwiseOffloadManager:
@@ -57,6 +61,10 @@ class LayerwiseOffloadManager:
         self._check_no_shared_parameters()
         self.backend = make_backend(self.device, self.config.measure_time)
         self.store: Optional[HostStore] = None
+        # Host-memory policy: an outside cap on pinned bytes (ComfyUI's own limit), and the reader of
+        # available host memory (replaceable, so tests can pass a figure instead of patching psutil).
+        self.pin_cap_bytes: Optional[int] = None
+        self.available_host_bytes = available_host_bytes
         self.schedule: Optional[Schedule] = None
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
@@ -217,11 +225,7 @@ class LayerwiseOffloadManager:
             changed = [i for i in range(self.num_blocks) if not self._block_is_ours(i)]
         if changed and self.armed:
             self.release_all()
-        for index in changed:
-            self._pack(index)
-        if changed and self.pin_memory and self.store.pinned_nbytes() < self.store.nbytes():
-            log.warning("[layerwise-offload] %.2f of %.2f GiB of the host store is pinned",
-                        self.store.pinned_nbytes() / 2**30, self.store.nbytes() / 2**30)
+        self._pack_blocks(changed)
         return changed
 
     def repack_block(self, index: int) -> None:
@@ -231,14 +235,44 @@ class LayerwiseOffloadManager:
         if self.store is None:
             self.prepare()
         else:
-            self._pack(index)
+            self._pack_blocks([index])
 
-    def _pack(self, index: int) -> None:
+    def _pack_blocks(self, indices: Sequence[int]) -> None:
+        pinned = self._blocks_to_pin(indices)
+        for index in indices:
+            self._pack(index, pin=index in pinned)
+
+    def _blocks_to_pin(self, indices: Sequence[int]) -> set:
+        """Pin what the host can spare with a margin; streamed blocks benefit most, so the trailing first."""
+        if not self.pin_memory or not indices:
+            return set()
+        sizes = {i: plan_layout(block_parameters(self.blocks[i])).nbytes for i in indices}
+        requested = sum(sizes.values())
+        allowed = pinnable_bytes(requested, cap=self.pin_cap_bytes, available=self.available_host_bytes)
+        chosen, total = set(), 0
+        for index in sorted(indices, reverse=True):
+            if total + sizes[index] <= allowed:
+                chosen.add(index)
+                total += sizes[index]
+        if total < requested:
+            log.warning("[layerwise-offload] pinning %.2f of %.2f GiB of the host store to keep host memory free "
+                        "(pinned memory cannot be swapped); the rest stays pageable and copies from it are slower",
+                        total / 2**30, requested / 2**30)
+        return chosen
+
+    def _pack(self, index: int, pin: bool) -> None:
+        nbytes = plan_layout(block_parameters(self.blocks[index])).nbytes
+        available = self.available_host_bytes()
+        if available is not None and available < nbytes + HOST_OOM_MARGIN_BYTES:
+            raise MemoryError(
+                f"[layerwise-offload] host memory is short: block {index} needs {nbytes / 2**20:.0f} MiB but only "
+                f"{available / 2**20:.0f} MiB is available. Free RAM (close programs, unload other models), use "
+                f"a smaller checkpoint (fp8), or keep more blocks resident on the GPU")
         with torch.inference_mode(False):
             named = block_parameters(self.blocks[index])
             self._named_params[index] = named
             self.store.layouts[index] = plan_layout(named)
-            self.store.pack_block(index, self.pin_memory)
+            self.store.pack_block(index, pin)
             self._drop_views(index)
             self._materialized[index] = False
             self._point_released(index)

@@ -321,3 +321,54 @@ def test_prepare_repacks_blocks_changed_behind_its_back(sample_input):
         want = want_model(sample_input)
         assert torch.equal(model(sample_input), want)
     assert manager.prepare() == []
+
+
+def test_host_memory_shortfall_pins_only_what_fits(sample_input, caplog, monkeypatch):
+    """Asked to pin, with a faked small RAM figure: pin the trailing blocks that fit, one warning."""
+    model = ToyTransformer()
+    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", pin_memory=True).attach(model)
+    sizes = manager.block_nbytes()
+    pinned_calls = []
+
+    def fake_allocate(nbytes, pin):
+        pinned_calls.append(pin)
+        return torch.empty(nbytes, dtype=torch.uint8), pin  # stands in for page-locking, which needs a GPU
+    monkeypatch.setattr("layerwise_offload.offload.host_store.allocate_host_buffer", fake_allocate)
+    margin = 2 * 2**30  # pinnable_bytes keeps at least 2 GiB free
+    manager.available_host_bytes = lambda: margin + sizes[-1] + sizes[-2] + 1
+    with caplog.at_level(logging.WARNING, logger="layerwise_offload"), torch.no_grad():
+        assert torch.equal(model(sample_input), reference_output(sample_input))
+    assert pinned_calls == [False] * (NUM_BLOCKS - 2) + [True, True]
+    assert manager.store.pinned == [False] * (NUM_BLOCKS - 2) + [True, True]
+    assert manager.stats().pinned_host_bytes == sizes[-1] + sizes[-2]
+    assert len([r for r in caplog.records if "pinning" in r.getMessage()]) == 1
+
+
+def test_host_store_refuses_to_push_the_host_into_oom(sample_input):
+    model, manager = offloaded(resident_layers=0)
+    manager.available_host_bytes = lambda: 100 * 2**20  # below the 512 MiB safety margin
+    with torch.no_grad(), pytest.raises(MemoryError, match="host memory is short: block 0 needs"):
+        model(sample_input)
+    manager.available_host_bytes = lambda: None  # unknown: no guard
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), reference_output(sample_input))
+
+
+def test_host_store_replaces_the_weights_instead_of_copying_them():
+    """RAM: packing frees the module's own CPU weights, so the store costs no second copy."""
+    import ctypes
+    import gc
+    import psutil
+    process = psutil.Process()
+    libc = ctypes.CDLL("libc.so.6")  # glibc keeps freed heap pages; trim them so RSS shows what is really held
+    model = ToyTransformer(dim=1024, hidden=4096, double=2, single=2)  # ~128 MiB of block weights
+    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", released_params="host")
+    total = sum(manager.block_nbytes())
+    gc.collect()
+    before = process.memory_info().rss
+    manager.prepare()
+    gc.collect()
+    libc.malloc_trim(0)
+    grown = process.memory_info().rss - before
+    assert manager.store.nbytes() == total
+    assert grown < 0.25 * total, f"RSS grew {grown / 2**20:.0f} MiB for a {total / 2**20:.0f} MiB store"
