@@ -1,0 +1,181 @@
+"""Auto-sizing: the largest resident count whose device footprint fits a memory budget.
+
+Pure arithmetic over byte counts; it touches no device. The caller measures what is free (e.g.
+ComfyUI's ``get_free_memory``), passes the reserve it wants kept (ComfyUI's minimum inference
+memory / ``--reserve-vram``), an activation estimate and whatever non-block weights still have to be
+placed (embedders, final layer), and gets back a :class:`ResidencyPlan`.
+
+What a plan holds on the device is exactly what :meth:`LayerwiseOffloadManager.planned_device_bytes`
+reports once armed: every resident block's own buffer, plus ``min(prefetch_size + 1, streamed)``
+slots sized to the largest streamed block. Both depend on which blocks are resident, and so on the
+policy (``strided`` picks a different set than ``leading``), so the footprint is not monotonic in the
+resident count: keeping one more block can shrink the slots (it was the largest streamed one, or the
+slot count drops once fewer blocks stream than the window holds), and keeping every block removes
+the slots altogether. The planner therefore evaluates every count and takes the largest that fits,
+which also makes the chosen count monotonic in the free memory.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Sequence, Tuple
+
+from .config import POLICIES
+from .schedule import choose_resident_blocks
+
+__all__ = ["ResidencyPlan", "plan_residency", "estimate_activation_bytes", "describe", "format_bytes"]
+
+
+@dataclass(frozen=True)
+class ResidencyPlan:
+    """One auto-sized residency plan; all sizes are device bytes.
+
+    resident_count: blocks kept on the device (pass it as ``resident_layers``; 0 streams all).
+    resident: per block (call order), whether it stays resident under ``policy``.
+    resident_bytes / streamed_bytes: bytes of the resident / streamed blocks' own buffers.
+    slot_bytes: the streaming slots, ``min(prefetch_size + 1, streamed) * largest streamed block``.
+    required_bytes: resident + slots + activations + reserve + non-block bytes.
+    headroom_bytes: ``free - required`` (negative when the plan does not fit).
+    fits: whether ``required <= free``; when False even streaming every block does not fit, and
+        the plan is the resident_count=0 plan, reported so the caller can say by how much.
+    """
+
+    num_blocks: int
+    resident_count: int
+    resident: Tuple[bool, ...]
+    resident_bytes: int
+    streamed_bytes: int
+    slot_bytes: int
+    slot_count: int
+    activation_bytes: int
+    reserve_bytes: int
+    non_block_bytes: int
+    free_bytes: int
+    required_bytes: int
+    headroom_bytes: int
+    fits: bool
+    policy: str
+    prefetch_size: int
+
+    @property
+    def streamed_count(self) -> int:
+        return self.num_blocks - self.resident_count
+
+    @property
+    def device_bytes(self) -> int:
+        """What the manager itself will hold once armed (residents plus slots)."""
+        return self.resident_bytes + self.slot_bytes
+
+
+def _check_bytes(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer byte count, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0 bytes, got {value}")
+    return int(value)
+
+
+def _footprint(sizes: Sequence[int], resident: Sequence[bool], prefetch_size: int):
+    resident_bytes = sum(s for s, keep in zip(sizes, resident) if keep)
+    streamed = [s for s, keep in zip(sizes, resident) if not keep]
+    slot_count = min(prefetch_size + 1, len(streamed))
+    slot_bytes = slot_count * max(streamed, default=0)
+    return resident_bytes, sum(streamed), slot_count, slot_bytes
+
+
+def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes: int = 0,
+                   activation_bytes: int = 0, non_block_bytes: int = 0, prefetch_size: int = 1,
+                   policy: str = "leading") -> ResidencyPlan:
+    """Choose the largest resident count whose footprint fits in ``free_bytes``.
+
+    Args:
+        block_bytes: device bytes of each block once materialized, in call order
+            (``manager.block_nbytes()`` gives exactly the sizes the manager allocates).
+        free_bytes: device memory free for this model now.
+        reserve_bytes: memory to leave untouched (ComfyUI's reserve / minimum inference memory).
+        activation_bytes: peak activation memory of one forward (see :func:`estimate_activation_bytes`).
+        non_block_bytes: weights outside the blocks that still have to go on the device.
+        prefetch_size: the manager's prefetch window (its slot ring holds ``prefetch_size + 1``).
+        policy: ``leading`` or ``strided``, as in :class:`OffloadConfig`.
+
+    The fit condition is ``resident + slots + activations + reserve + non_block <= free``. When
+    nothing fits, not even with every block streamed, the result has ``fits=False`` and
+    ``resident_count=0``.
+    """
+    sizes = [_check_bytes(f"block_bytes[{i}]", s) for i, s in enumerate(block_bytes)]
+    free_bytes = _check_bytes("free_bytes", free_bytes)
+    reserve_bytes = _check_bytes("reserve_bytes", reserve_bytes)
+    activation_bytes = _check_bytes("activation_bytes", activation_bytes)
+    non_block_bytes = _check_bytes("non_block_bytes", non_block_bytes)
+    if isinstance(prefetch_size, bool) or not isinstance(prefetch_size, numbers.Integral) or prefetch_size < 1:
+        raise ValueError(f"prefetch_size must be an integer >= 1, got {prefetch_size!r}")
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+
+    overhead = activation_bytes + reserve_bytes + non_block_bytes
+    n = len(sizes)
+    for count in range(n, -1, -1):
+        resident = choose_resident_blocks(n, count, policy)
+        resident_bytes, streamed_bytes, slot_count, slot_bytes = _footprint(sizes, resident, prefetch_size)
+        required = resident_bytes + slot_bytes + overhead
+        if required <= free_bytes or count == 0:
+            return ResidencyPlan(
+                num_blocks=n, resident_count=count, resident=tuple(resident),
+                resident_bytes=resident_bytes, streamed_bytes=streamed_bytes,
+                slot_bytes=slot_bytes, slot_count=slot_count,
+                activation_bytes=activation_bytes, reserve_bytes=reserve_bytes,
+                non_block_bytes=non_block_bytes, free_bytes=free_bytes,
+                required_bytes=required, headroom_bytes=free_bytes - required,
+                fits=required <= free_bytes, policy=policy, prefetch_size=int(prefetch_size))
+    raise AssertionError("unreachable: count 0 always returns")
+
+
+def estimate_activation_bytes(tokens: int, hidden: int, dtype_bytes: int = 2, batch: int = 1, *,
+                              live_hidden_tensors: int = 6, mlp_ratio: float = 4.0,
+                              attention_heads: int = 0, score_bytes: int = 4) -> int:
+    """A rough peak-activation estimate for one DiT block forward. A heuristic, not a measurement.
+
+    Per token and batch item it counts ``live_hidden_tensors`` hidden-sized tensors alive at once
+    (residual stream, normed input, q, k, v, attention output) plus the MLP's intermediate
+    (``mlp_ratio * hidden``). Fused attention (SDPA / flash / xformers) needs no score matrix, which
+    is the default (``attention_heads=0``); pass the head count to also count a materialized
+    ``heads x tokens x tokens`` score matrix and its softmax (``2 * score_bytes`` per entry), as in
+    plain ``softmax(q @ k.T)`` attention. ``batch`` includes cond/uncond when they run batched.
+    Leave margin on top: allocator fragmentation and framework workspaces are not counted.
+    """
+    for name, value in (("tokens", tokens), ("hidden", hidden), ("dtype_bytes", dtype_bytes), ("batch", batch),
+                        ("live_hidden_tensors", live_hidden_tensors), ("attention_heads", attention_heads),
+                        ("score_bytes", score_bytes)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+    if not isinstance(mlp_ratio, numbers.Real) or mlp_ratio < 0:
+        raise ValueError(f"mlp_ratio must be a number >= 0, got {mlp_ratio!r}")
+    per_token = (live_hidden_tensors + mlp_ratio) * hidden * dtype_bytes
+    total = batch * tokens * per_token
+    if attention_heads:
+        total += batch * attention_heads * tokens * tokens * 2 * score_bytes
+    return int(total)
+
+
+def format_bytes(nbytes: int) -> str:
+    """``11.2 GiB`` from 0.1 GiB up, else MiB / KiB / B; keeps the sign."""
+    sign = "-" if nbytes < 0 else ""
+    value = abs(nbytes)
+    for unit, scale, floor in (("GiB", 2**30, 2**30 // 10), ("MiB", 2**20, 2**20 // 10), ("KiB", 2**10, 2**10 // 10)):
+        if value >= floor:
+            return f"{sign}{value / scale:.1f} {unit}"
+    return f"{sign}{value} B"
+
+
+def describe(plan: ResidencyPlan) -> str:
+    """One log line for a plan."""
+    line = (f"[layerwise-offload] auto plan: {plan.resident_count}/{plan.num_blocks} blocks resident "
+            f"({format_bytes(plan.resident_bytes)}), {plan.streamed_count} streamed "
+            f"({format_bytes(plan.streamed_bytes)}), slots {format_bytes(plan.slot_bytes)}, ")
+    if plan.fits:
+        return line + f"headroom {format_bytes(plan.headroom_bytes)}"
+    return line + (f"does not fit: short by {format_bytes(-plan.headroom_bytes)} even with every block streamed "
+                   f"(free {format_bytes(plan.free_bytes)}, reserve {format_bytes(plan.reserve_bytes)}, "
+                   f"activations {format_bytes(plan.activation_bytes)}, "
+                   f"non-block {format_bytes(plan.non_block_bytes)})")
