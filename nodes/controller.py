@@ -19,7 +19,7 @@ from torch import nn
 
 import comfy.model_management
 
-from ..offload import LayerwiseOffloadManager, OffloadConfig
+from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
 from ..offload.advice import RunReport, recommend
 from ..offload.planner import describe, estimate_activation_bytes, plan_residency
 from .discovery import DiscoveredBlocks
@@ -44,6 +44,29 @@ def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, dev
     return manager
 
 
+def comfyui_pinned_memory_cap() -> Optional[int]:
+    """ComfyUI's own limit on pinned host memory, where it has one (``--disable-pinned-memory`` gives 0)."""
+    cap = getattr(comfy.model_management, "MAX_PINNED_MEMORY", None)
+    if cap is None or comfy.model_management.is_device_cpu(comfy.model_management.get_torch_device()):
+        return None
+    return max(0, int(cap))
+
+
+def _progress_bar():
+    """ComfyUI's progress bar for packing the host store (a large model takes a while)."""
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if total < 8:
+            return
+        if bar is None:
+            import comfy.utils
+            bar = comfy.utils.ProgressBar(total)
+        bar.update_absolute(done, total)
+    return update
+
+
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
@@ -64,15 +87,27 @@ class OffloadController:
         self.last_plan = None
         self.last_report: Optional[RunReport] = None
         self.last_recommendation: Optional[str] = None
+        # Highest resident count ComfyUI's VRAM budget allows now (None: no limit), set when ComfyUI
+        # loads the model with a budget or asks for memory back.
+        self.resident_cap: Optional[int] = None
         self.manager = shared_manager(self.diffusion_model, discovered, self.device, self.config)
+        self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
         self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
         self._run_start = None
 
     # ----------------------------------------------------------------- plan
+    def _effective_config(self) -> OffloadConfig:
+        """This output's settings, with the resident count lowered to what ComfyUI's budget allows."""
+        if self.resident_cap is None:
+            return self.config
+        count = resolve_resident_count(self.config.resident_layers, self.manager.num_blocks)
+        return dataclasses.replace(self.config, resident_layers=min(count, self.resident_cap))
+
     def _use_own_settings(self) -> None:
         manager = self.manager
-        wanted = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(self.config)}
+        config = self._effective_config()
+        wanted = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
         current = {f.name: getattr(manager.config, f.name) for f in dataclasses.fields(manager.config)}
         if wanted != current:
             manager.replan(**wanted)
@@ -80,9 +115,18 @@ class OffloadController:
     def non_block_bytes(self) -> int:
         return sum(t.nelement() * t.element_size() for t in self._non_block_tensors())
 
+    def _planned_block_bytes(self, resident_count: int) -> int:
+        """Device bytes of this output's plan with ``resident_count`` residents (the manager untouched)."""
+        sizes = self.manager.block_nbytes()
+        resident = choose_resident_blocks(len(sizes), resident_count, self.config.policy)
+        streamed = [size for size, keep in zip(sizes, resident) if not keep]
+        slots = min(self.config.prefetch_size + 1, len(streamed))
+        return sum(size for size, keep in zip(sizes, resident) if keep) + slots * max(streamed, default=0)
+
     def planned_footprint(self) -> int:
-        self._use_own_settings()
-        return self.non_block_bytes() + self.manager.planned_device_bytes()
+        """What ComfyUI is told this model needs on the device (``model_size()``)."""
+        count = resolve_resident_count(self._effective_config().resident_layers, self.manager.num_blocks)
+        return self.non_block_bytes() + self._planned_block_bytes(count)
 
     def loaded_bytes(self) -> int:
         on_device = sum(t.nelement() * t.element_size() for t in self._non_block_tensors()
@@ -101,12 +145,17 @@ class OffloadController:
                     yield tensor
 
     # ----------------------------------------------------------------- load / unload
-    def place(self, patcher, device_to) -> None:
-        """ComfyUI's load: non-block weights to the device (LoRA baked), blocks into the host store."""
-        self._use_own_settings()
+    def place(self, patcher, device_to, extra_memory=None) -> None:
+        """ComfyUI's load: non-block weights to the device (LoRA baked), blocks into the host store.
+
+        ``extra_memory`` is ComfyUI's budget for more weights on the device (what its partial
+        loading would use); the resident count is capped so the plan stays inside it.
+        """
         self.put_non_block_weights(patcher, device_to)
+        self._fit_budget(extra_memory)
+        self._use_own_settings()
         self._bake_block_patches(patcher, device_to)
-        changed = self.manager.prepare()
+        changed = self.manager.prepare(progress=_progress_bar())
         if changed:
             log.info("[layerwise-offload] host store: %d blocks packed (%s, %s pinned)", len(changed),
                      _gib(self.manager.store.nbytes()), _gib(self.manager.store.pinned_nbytes()))
@@ -152,17 +201,38 @@ class OffloadController:
         if pending:
             log.info("[layerwise-offload] baked LoRA patches into %d blocks", len(pending))
 
+    def _fit_budget(self, extra_memory) -> None:
+        if extra_memory is None or extra_memory >= 1e30:  # ComfyUI's "no limit" (CPU, high VRAM)
+            self.resident_cap = None
+            return
+        budget = self.manager.device_bytes() + int(extra_memory)
+        wanted = resolve_resident_count(self.config.resident_layers, self.manager.num_blocks)
+        if self.auto:
+            wanted = self.manager.num_blocks  # auto plans at the first forward; the budget still caps it
+        count = wanted
+        while count > 0 and self._planned_block_bytes(count) > budget:
+            count -= 1
+        if count < wanted and not self.auto:
+            log.info("[layerwise-offload] ComfyUI's VRAM budget (%s) fits %d of the %d resident blocks asked for",
+                     _gib(budget), count, wanted)
+        self.resident_cap = count if count < wanted else None
+
     def release_device_memory(self) -> None:
         self.manager.release_all()
 
     def free_device_memory(self, nbytes: int) -> int:
-        """ComfyUI asks for memory back: give all the manager holds (it re-arms at the next forward)."""
-        before = self.manager.device_bytes()
+        """ComfyUI asks for ``nbytes`` back: demote residents from the tail until the plan is that
+        much smaller, and release the device memory now (the smaller plan arms at the next forward)."""
+        held = self.manager.device_bytes()
+        count = self.manager.resident_count()
+        while count > 0 and held - self._planned_block_bytes(count) < nbytes:
+            count -= 1
+        self.resident_cap = count
         self.manager.release_all()
-        freed = before - self.manager.device_bytes()
+        freed = held - self.manager.device_bytes()
         if freed:
-            log.info("[layerwise-offload] ComfyUI asked for %s: released %s of resident blocks and slots",
-                     _gib(nbytes), _gib(freed))
+            log.info("[layerwise-offload] ComfyUI asked for %s of VRAM: released %s; %d blocks stay resident "
+                     "from the next step on", _gib(nbytes), _gib(freed), count)
         return freed
 
     # ----------------------------------------------------------------- sampling
@@ -222,7 +292,9 @@ class OffloadController:
             run_seconds=time.perf_counter() - started, peak_device_bytes=after.peak_device_bytes,
             pinned_host_bytes=after.pinned_host_bytes)
         self.last_report = report
-        self.last_recommendation = recommend(report, self.manager.block_nbytes())
+        sizes = self.manager.block_nbytes()
+        resident = self.manager.schedule.resident_blocks if self.manager.schedule else ()
+        self.last_recommendation = recommend(report, [sizes[i] for i in resident])
         line = f"[layerwise-offload] run: {report.figures()}; {self.last_recommendation}"
         log.info(line)
         return line

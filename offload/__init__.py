@@ -6,6 +6,7 @@ with a prefetch window on a side stream. Nothing here imports ComfyUI.
 
 from .config import POLICIES, OffloadConfig, resolve_resident_count
 from .manager import LayerwiseOffloadManager
+from .planner import ResidencyPlan, estimate_activation_bytes, plan_residency
 from .schedule import Schedule, choose_resident_blocks
 from .stats import OffloadStats
 
@@ -14,9 +15,12 @@ __all__ = [
     "LayerwiseOffloadManager",
     "OffloadConfig",
     "OffloadStats",
+    "ResidencyPlan",
     "Schedule",
     "apply_layerwise_offload",
     "choose_resident_blocks",
+    "estimate_activation_bytes",
+    "plan_residency",
     "resolve_resident_count",
 ]
 

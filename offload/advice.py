@@ -41,10 +41,11 @@ class RunReport:
                 f"{format_bytes(self.peak_device_bytes)}, pinned host {format_bytes(self.pinned_host_bytes)}")
 
 
-def recommend(report: RunReport, block_bytes: Sequence[int]) -> str:
+def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
     """What to change, in words, from how much of the run waited on copies.
 
-    When copies are hidden, the compute time not covered by copies could hide more of them: each
+    ``resident_block_bytes``: the sizes of the resident blocks, in call order. When copies are
+    hidden, the compute time not covered by copies could hide more of them: each
     block demoted from resident adds ``bytes / bandwidth`` of copying, so the advice names the
     count that still fits in the spare time and the VRAM that frees.
     """
@@ -60,7 +61,7 @@ def recommend(report: RunReport, block_bytes: Sequence[int]) -> str:
     copy_per_forward = report.copy_seconds / report.forwards
     spare = max(0.0, per_forward_seconds - copy_per_forward) * (1 - HIDDEN_STALL_FRACTION)
     bandwidth = report.gbps * 1e9 if report.gbps > 0 else None
-    resident_sizes = list(block_bytes[:report.resident_blocks])
+    resident_sizes = list(resident_block_bytes)  # call order: the last ones are demoted first
     demote = 0
     freed = 0
     if bandwidth:

@@ -61,11 +61,17 @@ def _kept_stride(tensor: torch.Tensor) -> Tuple[Tuple[int, ...], int]:
     """
     shape = tuple(tensor.shape)
     numel = tensor.numel()
-    if numel == 0:
-        return tuple(torch.empty(shape).stride()), 0
-    if _is_dense_permutation(shape, tuple(tensor.stride())):
+    if numel and _is_dense_permutation(shape, tuple(tensor.stride())):
         return tuple(tensor.stride()), numel
-    return tuple(torch.empty(shape).stride()), numel
+    return _contiguous_stride(shape), numel
+
+
+def _contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def _is_dense_permutation(shape: Sequence[int], stride: Sequence[int]) -> bool:

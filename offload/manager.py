@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from contextlib import contextmanager
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -211,12 +211,13 @@ class LayerwiseOffloadManager:
                 break
 
     # ----------------------------------------------------------------- arming
-    def prepare(self) -> List[int]:
+    def prepare(self, progress: Optional[Callable[[int, int], None]] = None) -> List[int]:
         """Build the host store from the blocks' current parameters, or bring it up to date.
 
         The first call packs every block. Later calls repack only blocks whose parameters were
         replaced or moved by someone else (a LoRA bake swapping Parameter objects, a whole-model
         ``.to()``), and return their indices; an unchanged model costs a pointer comparison.
+        ``progress(done, total)`` is called after each packed block (a UI progress bar).
         """
         if self.store is None:
             self.store = HostStore([plan_layout(named) for named in self._named_params])
@@ -225,7 +226,7 @@ class LayerwiseOffloadManager:
             changed = [i for i in range(self.num_blocks) if not self._block_is_ours(i)]
         if changed and self.armed:
             self.release_all()
-        self._pack_blocks(changed)
+        self._pack_blocks(changed, progress)
         return changed
 
     def repack_block(self, index: int) -> None:
@@ -237,10 +238,12 @@ class LayerwiseOffloadManager:
         else:
             self._pack_blocks([index])
 
-    def _pack_blocks(self, indices: Sequence[int]) -> None:
+    def _pack_blocks(self, indices: Sequence[int], progress=None) -> None:
         pinned = self._blocks_to_pin(indices)
-        for index in indices:
+        for done, index in enumerate(indices, 1):
             self._pack(index, pin=index in pinned)
+            if progress is not None:
+                progress(done, len(indices))
 
     def _blocks_to_pin(self, indices: Sequence[int]) -> set:
         """Pin what the host can spare with a margin; streamed blocks benefit most, so the trailing first."""
@@ -304,7 +307,10 @@ class LayerwiseOffloadManager:
         self.schedule = schedule
         self._slots = [self._allocate_device(slot_bytes) for _ in range(slot_count)]
         self._slot_owner = [None] * slot_count
-        self._slot_free = [None] * slot_count
+        # Fresh memory may have been freed by tensors that queued compute work still reads: the first
+        # copy into each slot waits for the compute stream as it is now.
+        allocated = self.backend.mark_compute()
+        self._slot_free = [allocated] * slot_count
         for index in schedule.resident_blocks:
             self._materialize(index)
         self._note_peaks()
@@ -333,6 +339,7 @@ class LayerwiseOffloadManager:
             buffer = self._resident_buffers.get(index)
             if buffer is None:
                 buffer = self._resident_buffers[index] = self._allocate_device(layout.nbytes)
+                after = self.backend.mark_compute()
             views = self._view_cache.get(("resident", index))
             if views is None:
                 views = self._view_cache[("resident", index)] = layout.views(buffer)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import List, Tuple
 
 
@@ -34,20 +35,33 @@ class Schedule:
     def num_blocks(self) -> int:
         return len(self.resident)
 
-    @property
+    # Cached: the block hooks ask for these on every block of every step.
+    @cached_property
     def streamed_blocks(self) -> Tuple[int, ...]:
         return tuple(i for i, keep in enumerate(self.resident) if not keep)
 
-    @property
+    @cached_property
     def resident_blocks(self) -> Tuple[int, ...]:
         return tuple(i for i, keep in enumerate(self.resident) if keep)
+
+    @cached_property
+    def _first_streamed_after(self) -> Tuple[int, ...]:
+        """For each block, the position in ``streamed_blocks`` of the first streamed block after it."""
+        positions = []
+        k = 0
+        streamed = self.streamed_blocks
+        for block in range(self.num_blocks):
+            while k < len(streamed) and streamed[k] <= block:
+                k += 1
+            positions.append(k % len(streamed) if streamed else 0)
+        return tuple(positions)
 
     def upcoming_streamed(self, after_block: int, count: int) -> List[int]:
         """The next ``count`` streamed blocks after ``after_block``, wrapping into the next step."""
         streamed = self.streamed_blocks
         if not streamed or count <= 0:
             return []
-        start = next((k for k, b in enumerate(streamed) if b > after_block), 0)
+        start = self._first_streamed_after[after_block] if 0 <= after_block < self.num_blocks else 0
         picked = []
         for k in range(min(count, len(streamed))):
             block = streamed[(start + k) % len(streamed)]
