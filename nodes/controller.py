@@ -19,6 +19,7 @@ from torch import nn
 
 import comfy.model_management
 
+from ..offload.manager import normalize_device
 from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
 from ..offload.advice import RunReport, recommend
 from ..offload.planner import describe, estimate_activation_bytes, plan_residency
@@ -36,7 +37,7 @@ DIFFUSION_MODEL_PREFIX = "diffusion_model."
 def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
                    config: OffloadConfig) -> LayerwiseOffloadManager:
     manager = _MANAGERS.get(diffusion_model)
-    if manager is None or manager.device != device:
+    if manager is None or manager.device != normalize_device(torch.device(device)):
         if manager is not None:
             manager.detach()
         manager = LayerwiseOffloadManager(discovered.blocks, device, config)
@@ -91,6 +92,7 @@ class OffloadController:
         # loads the model with a budget or asks for memory back.
         self.resident_cap: Optional[int] = None
         self.manager = shared_manager(self.diffusion_model, discovered, self.device, self.config)
+        self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
         self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
         self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}

@@ -32,6 +32,16 @@ _compiler_disable = torch.compiler.disable
 HOST_OOM_MARGIN_BYTES = 512 * 2**20
 
 
+def normalize_device(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:N`` (the current one), so device comparisons with tensors hold."""
+    if device.type == "cpu" or device.index is not None:
+        return device
+    try:
+        return torch.device(device.type, torch.get_device_module(device).current_device())
+    except (AttributeError, RuntimeError, AssertionError):
+        return device
+
+
 class LayerwiseOffloadManager:
     """Keeps the leading (or strided) blocks on ``device`` and streams the rest from host memory.
 
@@ -53,7 +63,7 @@ class LayerwiseOffloadManager:
         if len({id(b) for b in self.blocks}) != len(self.blocks):
             raise ValueError("the same module appears twice in the block list; pass each block once")
         self.config = dataclasses.replace(config or OffloadConfig(), **overrides)
-        self.device = torch.device(device)
+        self.device = normalize_device(torch.device(device))
         self.host_device = torch.device("cpu")
         self._named_params = [block_parameters(b) for b in self.blocks]
         # Where each block's parameters point now (in _named_params order), to notice outside moves.
