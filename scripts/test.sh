@@ -6,6 +6,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup_env.sh
+# End-to-end extras: Debian Chromium + Playwright (Python) for tests/e2e/test_browser.py, requests for the server.
+bash scripts/install_browser.sh
 
 # Default to tests/ unless a path (or node id) was given.
 has_path=0

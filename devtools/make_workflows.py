@@ -1,0 +1,583 @@
+"""Generate the UI-format (version 0.4) workflow files in ``workflows/``.
+
+The files are written by this script so that all of them share one layout and one explanation of
+``resident_layers``; they follow ComfyUI's own templates (comfyui-workflow-templates 0.7.25: flux_dev_full_text_to_
+image, text_to_video_wan, video_wan2_2_14B_t2v, image_qwen_image, hunyuan_video_text_to_video) with one change:
+a ``LayerwiseOffload`` node between the ``UNETLoader`` and the rest of the model chain.
+After editing a workflow in the UI you may save it over the file instead; tests/e2e/test_workflows.py checks
+every file against the live ``/object_info`` either way.
+
+    .venv/bin/python -P devtools/make_workflows.py            # rewrite workflows/*.json
+    .venv/bin/python -P devtools/make_workflows.py --check    # exit 1 if a file differs from what it would write
+
+Pure Python: needs neither ComfyUI nor torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOW_DIR = REPO / "workflows"
+
+PACK_CNR_ID = "layerwise-offload"
+PACK_VERSION = "0.1.0"
+CORE_VERSION = "0.3.75"
+NODE_ID = "LayerwiseOffload"
+
+# Slots of every node type used: (inputs [(name, type)], outputs [(name, type)], widget names).
+# tests/e2e/test_workflows.py checks these against ComfyUI 0.3.75's /object_info.
+SPECS: Dict[str, Tuple[List[Tuple[str, str]], List[Tuple[str, str]], List[str]]] = {
+    "UNETLoader": ([], [("MODEL", "MODEL")], ["unet_name", "weight_dtype"]),
+    "CLIPLoader": ([], [("CLIP", "CLIP")], ["clip_name", "type", "device"]),
+    "DualCLIPLoader": ([], [("CLIP", "CLIP")], ["clip_name1", "clip_name2", "type", "device"]),
+    "VAELoader": ([], [("VAE", "VAE")], ["vae_name"]),
+    "CLIPTextEncode": ([("clip", "CLIP")], [("CONDITIONING", "CONDITIONING")], ["text"]),
+    "FluxGuidance": ([("conditioning", "CONDITIONING")], [("CONDITIONING", "CONDITIONING")], ["guidance"]),
+    "ConditioningZeroOut": ([("conditioning", "CONDITIONING")], [("CONDITIONING", "CONDITIONING")], []),
+    "EmptySD3LatentImage": ([], [("LATENT", "LATENT")], ["width", "height", "batch_size"]),
+    "EmptyHunyuanLatentVideo": ([], [("LATENT", "LATENT")], ["width", "height", "length", "batch_size"]),
+    "KSampler": ([("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                  ("latent_image", "LATENT")], [("LATENT", "LATENT")],
+                 ["seed", "control_after_generate", "steps", "cfg", "sampler_name", "scheduler", "denoise"]),
+    "KSamplerAdvanced": ([("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                          ("latent_image", "LATENT")], [("LATENT", "LATENT")],
+                         ["add_noise", "noise_seed", "control_after_generate", "steps", "cfg", "sampler_name",
+                          "scheduler", "start_at_step", "end_at_step", "return_with_leftover_noise"]),
+    "ModelSamplingSD3": ([("model", "MODEL")], [("MODEL", "MODEL")], ["shift"]),
+    "ModelSamplingAuraFlow": ([("model", "MODEL")], [("MODEL", "MODEL")], ["shift"]),
+    "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [("IMAGE", "IMAGE")], []),
+    "VAEDecodeTiled": ([("samples", "LATENT"), ("vae", "VAE")], [("IMAGE", "IMAGE")],
+                       ["tile_size", "overlap", "temporal_size", "temporal_overlap"]),
+    "SaveImage": ([("images", "IMAGE")], [], ["filename_prefix"]),
+    "CreateVideo": ([("images", "IMAGE"), ("audio", "AUDIO")], [("VIDEO", "VIDEO")], ["fps"]),
+    "SaveVideo": ([("video", "VIDEO")], [], ["filename_prefix", "format", "codec"]),
+    "RandomNoise": ([], [("NOISE", "NOISE")], ["noise_seed", "control_after_generate"]),
+    "KSamplerSelect": ([], [("SAMPLER", "SAMPLER")], ["sampler_name"]),
+    "BasicScheduler": ([("model", "MODEL")], [("SIGMAS", "SIGMAS")], ["scheduler", "steps", "denoise"]),
+    "BasicGuider": ([("model", "MODEL"), ("conditioning", "CONDITIONING")], [("GUIDER", "GUIDER")], []),
+    "SamplerCustomAdvanced": ([("noise", "NOISE"), ("guider", "GUIDER"), ("sampler", "SAMPLER"),
+                               ("sigmas", "SIGMAS"), ("latent_image", "LATENT")],
+                              [("output", "LATENT"), ("denoised_output", "LATENT")], []),
+    "LoadTrainingDataset": ([], [("latents", "LATENT"), ("conditioning", "CONDITIONING")], ["folder_name"]),
+    "SaveLatent": ([("samples", "LATENT")], [], ["filename_prefix"]),
+    NODE_ID: ([("model", "MODEL")], [("MODEL", "MODEL")],
+              ["resident_layers", "prefetch_size", "residency_policy", "pin_memory"]),
+    "MarkdownNote": ([], [], ["text"]),
+    "Note": ([], [], ["text"]),
+}
+
+#: Frontend-only node types (not in /object_info): they never reach the server.
+FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+
+# Where ComfyUI's templates (or the Comfy-Org repackaged repos) host each file, for the frontend's model download.
+MODEL_URLS = {
+    "flux1-dev.safetensors": "https://huggingface.co/Comfy-Org/flux1-dev/resolve/main/flux1-dev.safetensors",
+    "clip_l.safetensors": "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors",
+    "t5xxl_fp16.safetensors":
+        "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors",
+    "ae.safetensors":
+        "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors",
+    "wan2.1_t2v_14B_bf16.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/diffusion_models/"
+        "wan2.1_t2v_14B_bf16.safetensors",
+    "umt5_xxl_fp8_e4m3fn_scaled.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/text_encoders/"
+        "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+    "wan_2.1_vae.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/vae/"
+        "wan_2.1_vae.safetensors",
+    "wan2.2_t2v_high_noise_14B_fp16.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/diffusion_models/"
+        "wan2.2_t2v_high_noise_14B_fp16.safetensors",
+    "wan2.2_t2v_low_noise_14B_fp16.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/diffusion_models/"
+        "wan2.2_t2v_low_noise_14B_fp16.safetensors",
+    "qwen_image_fp8_e4m3fn.safetensors":
+        "https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/diffusion_models/"
+        "qwen_image_fp8_e4m3fn.safetensors",
+    "qwen_2.5_vl_7b_fp8_scaled.safetensors":
+        "https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/text_encoders/"
+        "qwen_2.5_vl_7b_fp8_scaled.safetensors",
+    "qwen_image_vae.safetensors":
+        "https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/vae/qwen_image_vae.safetensors",
+    "hunyuan_video_t2v_720p_bf16.safetensors":
+        "https://huggingface.co/Comfy-Org/HunyuanVideo_repackaged/resolve/main/split_files/diffusion_models/"
+        "hunyuan_video_t2v_720p_bf16.safetensors",
+    "llava_llama3_fp8_scaled.safetensors":
+        "https://huggingface.co/Comfy-Org/HunyuanVideo_repackaged/resolve/main/split_files/text_encoders/"
+        "llava_llama3_fp8_scaled.safetensors",
+    "hunyuan_video_vae_bf16.safetensors":
+        "https://huggingface.co/Comfy-Org/HunyuanVideo_repackaged/resolve/main/split_files/vae/"
+        "hunyuan_video_vae_bf16.safetensors",
+}
+MODEL_DIRS = {"UNETLoader": "diffusion_models", "CLIPLoader": "text_encoders", "DualCLIPLoader": "text_encoders",
+              "VAELoader": "vae"}
+
+# Colours ComfyUI's templates use for loaders (red) and for our node (green, so it stands out).
+LOADER_COLOR = ("#322", "#533")
+OFFLOAD_COLOR = ("#232", "#353")
+NOTE_COLOR = ("#432", "#653")
+
+
+class Graph:
+    """A tiny builder for LiteGraph's serialised graph (what the frontend saves as version 0.4)."""
+
+    def __init__(self, workflow_id: str) -> None:
+        self.id = workflow_id
+        self.nodes: List[Dict[str, Any]] = []
+        self.links: List[List[Any]] = []
+        self.groups: List[Dict[str, Any]] = []
+
+    def add(self, type_: str, pos: Sequence[float], widgets: Sequence[Any] = (), size: Sequence[float] = (300, 100),
+            title: Optional[str] = None, color: Optional[Tuple[str, str]] = None) -> Dict[str, Any]:
+        ins, outs, widget_names = SPECS[type_]
+        if len(widgets) != len(widget_names):
+            raise ValueError(f"{type_}: {len(widgets)} widget values for {widget_names}")
+        node: Dict[str, Any] = {
+            "id": len(self.nodes) + 1,
+            "type": type_,
+            "pos": [float(pos[0]), float(pos[1])],
+            "size": [float(size[0]), float(size[1])],
+            "flags": {},
+            "order": 0,
+            "mode": 0,
+            "inputs": [{"name": n, "type": t, "link": None} for n, t in ins],
+            "outputs": [{"name": n, "type": t, "links": [], "slot_index": i} for i, (n, t) in enumerate(outs)],
+            "properties": {},
+            "widgets_values": list(widgets),
+        }
+        if type_ not in FRONTEND_ONLY:
+            node["properties"]["Node name for S&R"] = type_
+            if type_ == NODE_ID:
+                node["properties"].update({"cnr_id": PACK_CNR_ID, "ver": PACK_VERSION})
+            else:
+                node["properties"].update({"cnr_id": "comfy-core", "ver": CORE_VERSION})
+        if type_ in MODEL_DIRS:
+            models = [{"name": v, "url": MODEL_URLS[v], "directory": MODEL_DIRS[type_]}
+                      for v in widgets if isinstance(v, str) and v in MODEL_URLS]
+            if models:
+                node["properties"]["models"] = models
+        if title:
+            node["title"] = title
+        if color:
+            node["color"], node["bgcolor"] = color
+        self.nodes.append(node)
+        return node
+
+    def connect(self, src: Dict[str, Any], src_slot: int, dst: Dict[str, Any], dst_input: str) -> None:
+        link_id = len(self.links) + 1
+        out = src["outputs"][src_slot]
+        slot = next(i for i, inp in enumerate(dst["inputs"]) if inp["name"] == dst_input)
+        inp = dst["inputs"][slot]
+        if inp["link"] is not None:
+            raise ValueError(f"{dst['type']}.{dst_input} is already linked")
+        if out["type"] != inp["type"]:
+            raise ValueError(f"type mismatch {src['type']}.{out['name']} -> {dst['type']}.{dst_input}")
+        out["links"].append(link_id)
+        inp["link"] = link_id
+        self.links.append([link_id, src["id"], src_slot, dst["id"], slot, out["type"]])
+
+    def group(self, title: str, bounding: Sequence[float], color: str = "#3f789e") -> None:
+        self.groups.append({"id": len(self.groups) + 1, "title": title, "bounding": [float(b) for b in bounding],
+                            "color": color, "font_size": 24, "flags": {}})
+
+    def _order(self) -> None:
+        # Execution order as the frontend stores it: a topological order of the graph (stable by id).
+        deps = {n["id"]: set() for n in self.nodes}
+        for _, src, _, dst, _, _ in self.links:
+            deps[dst].add(src)
+        done: List[int] = []
+        while len(done) < len(self.nodes):
+            ready = sorted(i for i, d in deps.items() if i not in done and d <= set(done))
+            if not ready:
+                raise ValueError("cycle in graph")
+            done.append(ready[0])
+        for n in self.nodes:
+            n["order"] = done.index(n["id"])
+
+    def to_json(self) -> Dict[str, Any]:
+        self._order()
+        return {
+            "id": self.id,
+            "revision": 0,
+            "last_node_id": len(self.nodes),
+            "last_link_id": len(self.links),
+            "nodes": self.nodes,
+            "links": self.links,
+            "groups": self.groups,
+            "config": {},
+            # Open with the whole graph's top-left corner (the note) in view, below the frontend's top bars.
+            "extra": {"ds": {"scale": 0.7, "offset": [
+                120.0 - min(n["pos"][0] for n in self.nodes), 180.0 - min(n["pos"][1] for n in self.nodes)]}},
+            "version": 0.4,
+        }
+
+
+def _wid(name: str) -> str:
+    # Stable ids, so regenerating gives identical files.
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/layerwise-offload/" + name))
+
+
+HOW_TO = """## Layerwise Offload: choosing `resident_layers`
+
+The **Layerwise Offload (DiT)** node keeps the first `resident_layers` transformer blocks of the model on the GPU
+and streams every other block from pinned CPU memory while sampling, `prefetch_size` blocks ahead of the one that
+runs. Each resident block no longer crosses PCIe at every step, so **more resident blocks = faster, fewer = less
+VRAM**.
+
+1. Start from the VRAM that is free while sampling: total VRAM, minus what the desktop/other apps hold, minus the
+   sampling activations (they grow with resolution and frame count), minus a safety margin of 1-2 GB.
+2. Subtract the streaming window: `prefetch_size + 1` blocks.
+3. Divide the rest by the block size below: that is `resident_layers`.
+4. Out of memory? Lower `resident_layers` by a few (or lower the resolution). VRAM left over? Raise it.
+
+`0` streams every block (least VRAM, slowest). A value at or above the block count keeps the whole model
+resident (like no offload). `residency_policy = strided` spreads the streamed blocks evenly over the step instead
+of keeping the leading ones, which can smooth PCIe traffic. `pin_memory` (on) makes copies faster and
+asynchronous; turn it off only if the system runs short of RAM.
+"""
+
+
+def _note(g: Graph, pos, text: str, size=(520, 560)) -> None:
+    g.add("MarkdownNote", pos, [text], size=size, color=NOTE_COLOR)
+
+
+def _offload(g: Graph, pos, resident: int, prefetch: int = 1, title: Optional[str] = None) -> Dict[str, Any]:
+    return g.add(NODE_ID, pos, [resident, prefetch, "leading", True], size=(320, 154), title=title,
+                 color=OFFLOAD_COLOR)
+
+
+# --------------------------------------------------------------------------------------------------- workflows
+
+def flux1_dev() -> Dict[str, Any]:
+    g = Graph(_wid("flux1_dev"))
+    unet = g.add("UNETLoader", (0, 0), ["flux1-dev.safetensors", "default"], size=(320, 82), color=LOADER_COLOR)
+    clip = g.add("DualCLIPLoader", (0, 140), ["clip_l.safetensors", "t5xxl_fp16.safetensors", "flux", "default"],
+                 size=(320, 130), color=LOADER_COLOR)
+    vae = g.add("VAELoader", (0, 330), ["ae.safetensors"], size=(320, 58), color=LOADER_COLOR)
+    off = _offload(g, (400, 0), resident=36)
+    pos = g.add("CLIPTextEncode", (400, 200), [
+        "a red fox sitting in fresh snow at sunrise, golden light, shallow depth of field, detailed fur"],
+        size=(400, 180), title="CLIP Text Encode (Positive Prompt)")
+    guid = g.add("FluxGuidance", (400, 420), [3.5], size=(320, 58))
+    neg = g.add("ConditioningZeroOut", (400, 520), [], size=(320, 26))
+    lat = g.add("EmptySD3LatentImage", (400, 600), [1024, 1024, 1], size=(320, 106))
+    ks = g.add("KSampler", (860, 0), [42, "fixed", 20, 1.0, "euler", "simple", 1.0], size=(320, 262))
+    dec = g.add("VAEDecode", (860, 320), [], size=(210, 46))
+    save = g.add("SaveImage", (1220, 0), ["layerwise_offload/flux1_dev"], size=(480, 520))
+    g.connect(unet, 0, off, "model")
+    g.connect(off, 0, ks, "model")
+    g.connect(clip, 0, pos, "clip")
+    g.connect(pos, 0, guid, "conditioning")
+    g.connect(guid, 0, ks, "positive")
+    g.connect(pos, 0, neg, "conditioning")
+    g.connect(neg, 0, ks, "negative")
+    g.connect(lat, 0, ks, "latent_image")
+    g.connect(ks, 0, dec, "samples")
+    g.connect(vae, 0, dec, "vae")
+    g.connect(dec, 0, save, "images")
+    _note(g, (-560, 0), HOW_TO + """
+### Flux.1 [dev] (bf16, 23.8 GB)
+
+57 blocks in call order: 19 double blocks (~0.68 GB each), then 38 single blocks (~0.28 GB each).
+Non-block weights are ~0.2 GB. `resident_layers = 36` (19 double + 17 single, ~17.7 GB) is a starting point for a
+24 GB GPU at 1024x1024; 16 GB: ~19 (the double blocks alone are ~12.9 GB); 12 GB: ~12.
+
+Files: `flux1-dev.safetensors` in models/diffusion_models, `clip_l.safetensors` and `t5xxl_fp16.safetensors` in
+models/text_encoders, `ae.safetensors` in models/vae.
+""", size=(520, 760))
+    return g.to_json()
+
+
+def wan21_t2v_14b() -> Dict[str, Any]:
+    g = Graph(_wid("wan21_t2v_14b"))
+    unet = g.add("UNETLoader", (0, 0), ["wan2.1_t2v_14B_bf16.safetensors", "default"], size=(320, 82),
+                 color=LOADER_COLOR)
+    clip = g.add("CLIPLoader", (0, 140), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
+                 size=(320, 106), color=LOADER_COLOR)
+    vae = g.add("VAELoader", (0, 300), ["wan_2.1_vae.safetensors"], size=(320, 58), color=LOADER_COLOR)
+    off = _offload(g, (400, 0), resident=20)
+    ms = g.add("ModelSamplingSD3", (400, 200), [8.0], size=(320, 58))
+    pos = g.add("CLIPTextEncode", (400, 300), [
+        "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking camera"],
+        size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
+    neg = g.add("CLIPTextEncode", (400, 500), [
+        "static, blurry, low quality, worst quality, jpeg artifacts, deformed, extra fingers, messy background"],
+        size=(400, 160), title="CLIP Text Encode (Negative Prompt)")
+    lat = g.add("EmptyHunyuanLatentVideo", (400, 700), [832, 480, 33, 1], size=(320, 130))
+    ks = g.add("KSampler", (860, 0), [42, "fixed", 30, 6.0, "uni_pc", "simple", 1.0], size=(320, 262))
+    dec = g.add("VAEDecode", (860, 320), [], size=(210, 46))
+    vid = g.add("CreateVideo", (860, 420), [16.0], size=(270, 78))
+    save = g.add("SaveVideo", (1220, 0), ["video/layerwise_offload_wan21", "auto", "auto"], size=(480, 420))
+    g.connect(unet, 0, off, "model")
+    g.connect(off, 0, ms, "model")
+    g.connect(ms, 0, ks, "model")
+    g.connect(clip, 0, pos, "clip")
+    g.connect(clip, 0, neg, "clip")
+    g.connect(pos, 0, ks, "positive")
+    g.connect(neg, 0, ks, "negative")
+    g.connect(lat, 0, ks, "latent_image")
+    g.connect(ks, 0, dec, "samples")
+    g.connect(vae, 0, dec, "vae")
+    g.connect(dec, 0, vid, "images")
+    g.connect(vid, 0, save, "video")
+    _note(g, (-560, 0), HOW_TO + """
+### Wan 2.1 T2V 14B (bf16, 28.6 GB)
+
+40 blocks of ~0.70 GB each; non-block weights ~0.5 GB. `resident_layers = 20` (~14 GB) is a starting point for a
+24 GB GPU at 832x480, 33 frames; more frames or 720p need more activation memory, so fewer resident blocks.
+16 GB: ~10; 12 GB: ~5.
+
+Files: `wan2.1_t2v_14B_bf16.safetensors` in models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in
+models/text_encoders, `wan_2.1_vae.safetensors` in models/vae.
+""", size=(520, 760))
+    return g.to_json()
+
+
+def wan22_t2v_a14b() -> Dict[str, Any]:
+    g = Graph(_wid("wan22_t2v_a14b"))
+    hi = g.add("UNETLoader", (0, 0), ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "default"], size=(340, 82),
+               title="Load Diffusion Model (high noise expert)", color=LOADER_COLOR)
+    lo = g.add("UNETLoader", (0, 140), ["wan2.2_t2v_low_noise_14B_fp16.safetensors", "default"], size=(340, 82),
+               title="Load Diffusion Model (low noise expert)", color=LOADER_COLOR)
+    clip = g.add("CLIPLoader", (0, 280), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
+                 size=(340, 106), color=LOADER_COLOR)
+    vae = g.add("VAELoader", (0, 440), ["wan_2.1_vae.safetensors"], size=(340, 58), color=LOADER_COLOR)
+    off_hi = _offload(g, (420, 0), resident=20, title="Layerwise Offload (high noise)")
+    off_lo = _offload(g, (420, 200), resident=20, title="Layerwise Offload (low noise)")
+    ms_hi = g.add("ModelSamplingSD3", (800, 0), [8.0], size=(300, 58))
+    ms_lo = g.add("ModelSamplingSD3", (800, 200), [8.0], size=(300, 58))
+    pos = g.add("CLIPTextEncode", (420, 400), [
+        "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking camera"],
+        size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
+    neg = g.add("CLIPTextEncode", (420, 600), [
+        "static, blurry, low quality, worst quality, jpeg artifacts, deformed, extra fingers, messy background"],
+        size=(400, 160), title="CLIP Text Encode (Negative Prompt)")
+    lat = g.add("EmptyHunyuanLatentVideo", (420, 800), [640, 640, 81, 1], size=(320, 130))
+    ks_hi = g.add("KSamplerAdvanced", (1160, 0),
+                  ["enable", 42, "fixed", 20, 3.5, "euler", "simple", 0, 10, "enable"], size=(320, 334),
+                  title="KSampler (Advanced): high noise, steps 0-10")
+    ks_lo = g.add("KSamplerAdvanced", (1520, 0),
+                  ["disable", 0, "fixed", 20, 3.5, "euler", "simple", 10, 10000, "disable"], size=(320, 334),
+                  title="KSampler (Advanced): low noise, steps 10-20")
+    dec = g.add("VAEDecode", (1520, 400), [], size=(210, 46))
+    vid = g.add("CreateVideo", (1520, 500), [16.0], size=(270, 78))
+    save = g.add("SaveVideo", (1880, 0), ["video/layerwise_offload_wan22", "auto", "auto"], size=(480, 420))
+    g.connect(hi, 0, off_hi, "model")
+    g.connect(lo, 0, off_lo, "model")
+    g.connect(off_hi, 0, ms_hi, "model")
+    g.connect(off_lo, 0, ms_lo, "model")
+    g.connect(ms_hi, 0, ks_hi, "model")
+    g.connect(ms_lo, 0, ks_lo, "model")
+    g.connect(clip, 0, pos, "clip")
+    g.connect(clip, 0, neg, "clip")
+    g.connect(pos, 0, ks_hi, "positive")
+    g.connect(neg, 0, ks_hi, "negative")
+    g.connect(pos, 0, ks_lo, "positive")
+    g.connect(neg, 0, ks_lo, "negative")
+    g.connect(lat, 0, ks_hi, "latent_image")
+    g.connect(ks_hi, 0, ks_lo, "latent_image")
+    g.connect(ks_lo, 0, dec, "samples")
+    g.connect(vae, 0, dec, "vae")
+    g.connect(dec, 0, vid, "images")
+    g.connect(vid, 0, save, "video")
+    _note(g, (-580, 0), HOW_TO + """
+### Wan 2.2 T2V A14B (two fp16 experts, 28.6 GB each)
+
+Each expert has 40 blocks of ~0.70 GB. They run one after the other (high noise for steps 0-10, low noise for
+10-20), each through its own Layerwise Offload node, so size `resident_layers` for ONE expert: when the low-noise
+expert needs the room, ComfyUI unloads the high-noise one (its resident blocks included). `resident_layers = 20` (~14 GB)
+per expert is a starting point for a 24 GB GPU at 640x640, 81 frames; 16 GB: ~8.
+
+Files: `wan2.2_t2v_high_noise_14B_fp16.safetensors` and `wan2.2_t2v_low_noise_14B_fp16.safetensors` in
+models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text_encoders,
+`wan_2.1_vae.safetensors` in models/vae.
+""", size=(540, 800))
+    return g.to_json()
+
+
+def qwen_image() -> Dict[str, Any]:
+    g = Graph(_wid("qwen_image"))
+    unet = g.add("UNETLoader", (0, 0), ["qwen_image_fp8_e4m3fn.safetensors", "default"], size=(320, 82),
+                 color=LOADER_COLOR)
+    clip = g.add("CLIPLoader", (0, 140), ["qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image", "default"],
+                 size=(320, 106), color=LOADER_COLOR)
+    vae = g.add("VAELoader", (0, 300), ["qwen_image_vae.safetensors"], size=(320, 58), color=LOADER_COLOR)
+    off = _offload(g, (400, 0), resident=40)
+    ms = g.add("ModelSamplingAuraFlow", (400, 200), [3.1], size=(320, 58))
+    pos = g.add("CLIPTextEncode", (400, 300), [
+        "a cozy bookshop window at night, warm light, a hand-painted sign that reads \"Layerwise Offload\""],
+        size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
+    neg = g.add("CLIPTextEncode", (400, 500), [""], size=(400, 120), title="CLIP Text Encode (Negative Prompt)")
+    lat = g.add("EmptySD3LatentImage", (400, 660), [1328, 1328, 1], size=(320, 106))
+    ks = g.add("KSampler", (860, 0), [42, "fixed", 20, 2.5, "euler", "simple", 1.0], size=(320, 262))
+    dec = g.add("VAEDecode", (860, 320), [], size=(210, 46))
+    save = g.add("SaveImage", (1220, 0), ["layerwise_offload/qwen_image"], size=(480, 520))
+    g.connect(unet, 0, off, "model")
+    g.connect(off, 0, ms, "model")
+    g.connect(ms, 0, ks, "model")
+    g.connect(clip, 0, pos, "clip")
+    g.connect(clip, 0, neg, "clip")
+    g.connect(pos, 0, ks, "positive")
+    g.connect(neg, 0, ks, "negative")
+    g.connect(lat, 0, ks, "latent_image")
+    g.connect(ks, 0, dec, "samples")
+    g.connect(vae, 0, dec, "vae")
+    g.connect(dec, 0, save, "images")
+    _note(g, (-560, 0), HOW_TO + """
+### Qwen-Image (fp8 e4m3fn, 20.4 GB)
+
+60 `transformer_blocks` of ~0.34 GB each in fp8 (twice that in bf16); non-block weights are small (<0.1 GB).
+`resident_layers = 40` (~13.6 GB) is a starting point for a 24 GB GPU at 1328x1328; 16 GB: ~20; 12 GB: ~10.
+For reference, SGLang measured 34 of 60 resident blocks at 1.67x the speed of streaming all of them (RTX 5090).
+
+Files: `qwen_image_fp8_e4m3fn.safetensors` in models/diffusion_models, `qwen_2.5_vl_7b_fp8_scaled.safetensors` in
+models/text_encoders, `qwen_image_vae.safetensors` in models/vae.
+""", size=(520, 760))
+    return g.to_json()
+
+
+def hunyuan_video() -> Dict[str, Any]:
+    g = Graph(_wid("hunyuan_video"))
+    unet = g.add("UNETLoader", (0, 0), ["hunyuan_video_t2v_720p_bf16.safetensors", "default"], size=(340, 82),
+                 color=LOADER_COLOR)
+    clip = g.add("DualCLIPLoader", (0, 140),
+                 ["clip_l.safetensors", "llava_llama3_fp8_scaled.safetensors", "hunyuan_video", "default"],
+                 size=(340, 130), color=LOADER_COLOR)
+    vae = g.add("VAELoader", (0, 330), ["hunyuan_video_vae_bf16.safetensors"], size=(340, 58), color=LOADER_COLOR)
+    off = _offload(g, (420, 0), resident=20, prefetch=2)
+    ms = g.add("ModelSamplingSD3", (420, 200), [7.0], size=(320, 58))
+    pos = g.add("CLIPTextEncode", (420, 300), [
+        "a cat walks on the grass, realistic style, soft afternoon light"],
+        size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
+    guid = g.add("FluxGuidance", (420, 500), [6.0], size=(320, 58))
+    lat = g.add("EmptyHunyuanLatentVideo", (420, 600), [848, 480, 73, 1], size=(320, 130))
+    noise = g.add("RandomNoise", (880, 0), [42, "fixed"], size=(320, 82))
+    sampler = g.add("KSamplerSelect", (880, 130), ["euler"], size=(320, 58))
+    sched = g.add("BasicScheduler", (880, 230), ["simple", 20, 1.0], size=(320, 106))
+    guider = g.add("BasicGuider", (880, 380), [], size=(240, 46))
+    sca = g.add("SamplerCustomAdvanced", (1240, 0), [], size=(300, 326))
+    dec = g.add("VAEDecodeTiled", (1240, 380), [256, 64, 64, 8], size=(320, 150))
+    vid = g.add("CreateVideo", (1240, 580), [24.0], size=(270, 78))
+    save = g.add("SaveVideo", (1600, 0), ["video/layerwise_offload_hunyuan", "auto", "auto"], size=(480, 420))
+    g.connect(unet, 0, off, "model")
+    g.connect(off, 0, ms, "model")
+    g.connect(ms, 0, guider, "model")
+    g.connect(ms, 0, sched, "model")
+    g.connect(clip, 0, pos, "clip")
+    g.connect(pos, 0, guid, "conditioning")
+    g.connect(guid, 0, guider, "conditioning")
+    g.connect(noise, 0, sca, "noise")
+    g.connect(guider, 0, sca, "guider")
+    g.connect(sampler, 0, sca, "sampler")
+    g.connect(sched, 0, sca, "sigmas")
+    g.connect(lat, 0, sca, "latent_image")
+    g.connect(sca, 0, dec, "samples")
+    g.connect(vae, 0, dec, "vae")
+    g.connect(dec, 0, vid, "images")
+    g.connect(vid, 0, save, "video")
+    _note(g, (-580, 0), HOW_TO + """
+### HunyuanVideo T2V 720p (bf16, 25.6 GB)
+
+60 blocks in call order: 20 double blocks (~0.68 GB each), then 40 single blocks (~0.28 GB each).
+Video activations are large, so this graph keeps fewer blocks resident: `resident_layers = 20` (the double
+blocks, ~13.6 GB) with `prefetch_size = 2` is a starting point for a 24 GB GPU at 848x480, 73 frames;
+16 GB: ~8. Lower `tile_size` in VAE Decode (Tiled) if decoding runs out of memory.
+
+Files: `hunyuan_video_t2v_720p_bf16.safetensors` in models/diffusion_models, `clip_l.safetensors` and
+`llava_llama3_fp8_scaled.safetensors` in models/text_encoders, `hunyuan_video_vae_bf16.safetensors` in models/vae.
+""", size=(540, 780))
+    return g.to_json()
+
+
+def tiny_demo() -> Dict[str, Any]:
+    g = Graph(_wid("tiny_wan21_demo"))
+    unet = g.add("UNETLoader", (0, 0), ["layerwise_offload_tiny_wan21.safetensors", "default"], size=(340, 82),
+                 color=LOADER_COLOR)
+    data = g.add("LoadTrainingDataset", (0, 140), ["layerwise_offload_tiny_wan21_cond"], size=(340, 82),
+                 title="Tiny conditioning (stands in for a text encoder)")
+    vae = g.add("VAELoader", (0, 280), ["layerwise_offload_tiny_wan21_vae.safetensors"], size=(340, 58),
+                color=LOADER_COLOR)
+    off = _offload(g, (420, 0), resident=2)
+    ms = g.add("ModelSamplingSD3", (420, 200), [8.0], size=(320, 58))
+    neg = g.add("ConditioningZeroOut", (420, 300), [], size=(320, 26))
+    lat = g.add("EmptyHunyuanLatentVideo", (420, 380), [64, 64, 5, 1], size=(320, 130))
+    ks = g.add("KSampler", (800, 0), [42, "fixed", 4, 2.0, "euler", "simple", 1.0], size=(320, 262))
+    save_lat = g.add("SaveLatent", (1160, 0), ["layerwise_offload/tiny_wan21"], size=(320, 58))
+    dec = g.add("VAEDecode", (800, 320), [], size=(210, 46))
+    save = g.add("SaveImage", (1160, 120), ["layerwise_offload/tiny_wan21"], size=(420, 420))
+    g.connect(unet, 0, off, "model")
+    g.connect(off, 0, ms, "model")
+    g.connect(ms, 0, ks, "model")
+    g.connect(data, 1, ks, "positive")
+    g.connect(data, 1, neg, "conditioning")
+    g.connect(neg, 0, ks, "negative")
+    g.connect(lat, 0, ks, "latent_image")
+    g.connect(ks, 0, save_lat, "samples")
+    g.connect(ks, 0, dec, "samples")
+    g.connect(vae, 0, dec, "vae")
+    g.connect(dec, 0, save, "images")
+    _note(g, (-580, 0), """## Tiny demo: Layerwise Offload on a 19 MB random Wan 2.1
+
+Runs anywhere in a few seconds, on a GPU or with `--cpu` (set `LAYERWISE_OFFLOAD_CPU_LOOPBACK=1` to run the
+offload machinery on the CPU too; without it the node passes the model through on a CPU-only ComfyUI).
+`scripts/run.sh` writes the files this graph loads:
+
+- `layerwise_offload_tiny_wan21.safetensors` (models/diffusion_models): a Wan 2.1 T2V with 4 blocks, random weights;
+- `layerwise_offload_tiny_wan21_vae.safetensors` (models/vae): a random Wan 2.1 VAE at width 8;
+- `output/layerwise_offload_tiny_wan21_cond/`: one T5-shaped conditioning. A real Wan needs the 5.7B UMT5-XXL text
+  encoder, which has no tiny form in ComfyUI, so the core node *Load Training Dataset* loads a saved conditioning
+  instead, and *ConditioningZeroOut* makes the negative.
+
+The pictures are noise (random weights): the point is that the graph runs with `resident_layers = 2`, i.e. 2 of
+the 4 blocks resident and 2 streamed (try 0, 4 or `residency_policy = strided`), and that the saved latent (output/layerwise_offload/) is bitwise identical to the same graph without the
+offload node (bypass it with Ctrl+B and run again to compare).
+""", size=(540, 640))
+    return g.to_json()
+
+
+WORKFLOWS = {
+    "layerwise_offload_tiny_wan21_demo.json": tiny_demo,
+    "flux1_dev_layerwise_offload.json": flux1_dev,
+    "wan2.1_t2v_14B_layerwise_offload.json": wan21_t2v_14b,
+    "wan2.2_t2v_A14B_layerwise_offload.json": wan22_t2v_a14b,
+    "qwen_image_layerwise_offload.json": qwen_image,
+    "hunyuan_video_t2v_layerwise_offload.json": hunyuan_video,
+}
+
+
+def render(build) -> str:
+    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--check", action="store_true", help="only compare; exit 1 if a file would change")
+    ap.add_argument("--out", default=str(WORKFLOW_DIR))
+    a = ap.parse_args(argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    changed = []
+    for name, build in WORKFLOWS.items():
+        text = render(build)
+        p = out / name
+        if not p.is_file() or p.read_text(encoding="utf-8") != text:
+            changed.append(name)
+            if not a.check:
+                p.write_text(text, encoding="utf-8")
+    if a.check:
+        for c in changed:
+            print(f"differs: {out / c}")
+        return 1 if changed else 0
+    print(f"wrote {len(WORKFLOWS)} workflows to {out} ({len(changed)} changed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

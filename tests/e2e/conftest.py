@@ -1,0 +1,67 @@
+"""End-to-end fixtures: ONE real ComfyUI server per test session, with this pack installed.
+
+The server (``python main.py --cpu``, loopback, a free port) runs with ``--base-directory`` set to a temporary
+folder, so models/, custom_nodes/, input/, output/, temp/ and user/ are all private to the session; the pack is a
+symlink ``custom_nodes/layerwise-offload -> <repo>`` (see devtools/server.py). ``LAYERWISE_OFFLOAD_CPU_LOOPBACK=1``
+makes the node run the real offload manager on the CPU instead of passing the model through.
+
+The tiny assets (devtools/e2e_assets.py) are built once into ``<repo>/.comfyui/e2e-assets`` (git-ignored, rebuilt
+when their recipe changes) and symlinked into each session's base folder.
+
+Environment: ``LAYERWISE_OFFLOAD_E2E_KEEP=1`` keeps the base folder (and prints where), ``COMFYUI_PATH`` as usual,
+``LAYERWISE_OFFLOAD_E2E_LOOPBACK=0`` starts the server WITHOUT the CPU loopback (the node then passes the model
+through): a diagnostic, to tell the offload from the plumbing when a test fails (the tests that check the offload
+really ran fail in that mode, as they should).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from layerwise_offload.devtools import e2e_assets
+from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
+
+REPO = Path(__file__).resolve().parents[2]
+ASSET_CACHE = REPO / ".comfyui" / "e2e-assets"
+CPU_LOOPBACK_ENV = "LAYERWISE_OFFLOAD_CPU_LOOPBACK"
+
+
+@pytest.fixture(scope="session")
+def tiny_assets():
+    """``{kind: path}`` of the cached tiny assets (built on first use)."""
+    return e2e_assets.install_demo_assets(ASSET_CACHE / "models", ASSET_CACHE / "output")
+
+
+@pytest.fixture(scope="session")
+def comfy_base(tmp_path_factory, tiny_assets) -> Path:
+    base = prepare_base_dir(tmp_path_factory.mktemp("comfy_base"))
+    for kind, sub in (("wan21", "diffusion_models"), ("sd15", "diffusion_models"), ("vae", "vae")):
+        src = Path(tiny_assets[kind])
+        (base / "models" / sub / src.name).symlink_to(src)
+    shutil.copytree(tiny_assets["cond"], base / "output" / e2e_assets.TINY_COND_FOLDER)
+    return base
+
+
+@pytest.fixture(scope="session")
+def comfy_server(comfy_base):
+    """The session's running :class:`ComfyServer` (CPU, CPU loopback on)."""
+    loopback = os.environ.get("LAYERWISE_OFFLOAD_E2E_LOOPBACK", "1")
+    srv = ComfyServer(comfy_base, cpu=True, env={CPU_LOOPBACK_ENV: loopback},
+                      # API nodes talk to api.comfy.org; none is needed here and the machine may be offline.
+                      extra_args=["--disable-api-nodes"])
+    srv.start(timeout=240)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        if os.environ.get("LAYERWISE_OFFLOAD_E2E_KEEP") == "1":
+            print(f"\n[layerwise-offload] e2e base folder kept: {comfy_base} (log: {srv.log_path})")
+
+
+@pytest.fixture(scope="session")
+def object_info(comfy_server):
+    return comfy_server.object_info()

@@ -1,0 +1,159 @@
+"""Installing the pack the way ComfyUI Manager does, and the packaging metadata the Comfy Registry reads.
+
+Manager (and comfy-cli) install a pack by ``git clone <repo> ComfyUI/custom_nodes/<name>`` and then
+``pip install -r requirements.txt`` in ComfyUI's environment. So: clone THIS repository's HEAD (committed state,
+as a user would get it) into a fresh custom_nodes folder, dry-run the requirements against the venv (nothing may
+touch torch), and let ComfyUI 0.3.75 import the folder in a child process exactly as it does at start-up
+(``nodes.init_external_custom_nodes`` with ``--base-directory``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from layerwise_offload.devtools.server import PACK_FOLDER, default_comfyui_path, default_python
+
+REPO = Path(__file__).resolve().parents[2]
+NODE = "LayerwiseOffload"
+
+
+def _pyproject():
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)
+
+
+def _requirements():
+    out = []
+    for line in (REPO / "requirements.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            out.append(line)
+    return out
+
+
+def _req_name(req: str) -> str:
+    return re.split(r"[<>=!~;\[ ]", req, 1)[0].strip().lower().replace("_", "-")
+
+
+# ------------------------------------------------------------------------------------------------ metadata
+
+def test_pyproject_has_what_the_comfy_registry_needs():
+    data = _pyproject()
+    project, comfy = data["project"], data["tool"]["comfy"]
+    assert project["name"] == "layerwise-offload"
+    # Registry rules for the node id: < 100 chars, alphanumerics and single - _ . separators, starts with a letter.
+    assert len(project["name"]) < 100 and re.fullmatch(r"[A-Za-z][A-Za-z0-9]*([-_.][A-Za-z0-9]+)*", project["name"])
+    assert "comfyui" not in project["name"].lower()
+    assert re.fullmatch(r"\d+\.\d+\.\d+", project["version"]), "semantic version X.Y.Z"
+    assert project["version"] == "0.1.0"
+    assert len(project["description"]) > 20
+    assert project["license"] == {"file": "LICENSE"} and (REPO / "LICENSE").is_file()
+    assert project["requires-python"].startswith(">=")
+    assert isinstance(project["dependencies"], list)
+    assert project["urls"]["Repository"].startswith("https://")
+    assert comfy["PublisherId"] and comfy["DisplayName"] == "Layerwise Offload"
+    assert isinstance(comfy.get("includes", []), list)
+    assert comfy["requires-comfyui"] == ">=0.3.75"
+
+
+def test_dependencies_match_requirements_and_never_name_torch():
+    deps = _pyproject()["project"]["dependencies"]
+    reqs = _requirements()
+    assert sorted(deps) == sorted(reqs)
+    names = {_req_name(r) for r in deps + reqs}
+    assert {"psutil", "safetensors"} <= names
+    assert not names & {"torch", "torchvision", "torchaudio", "xformers", "triton"}, names
+
+
+def test_license_is_the_full_gpl3_text():
+    text = (REPO / "LICENSE").read_text()
+    assert "GNU GENERAL PUBLIC LICENSE" in text and "Version 3, 29 June 2007" in text
+    assert "END OF TERMS AND CONDITIONS" in text and "How to Apply These Terms to Your New Programs" in text
+    assert len(text) > 30000
+
+
+def test_comfyui_parses_the_pyproject(comfy):
+    # ComfyUI itself reads a pack's pyproject.toml at import (web folder, version compatibility): use its parser.
+    from comfy_config import config_parser
+
+    cfg = config_parser.extract_node_configuration(str(REPO))
+    assert cfg.project.name == "layerwise-offload" and cfg.project.version == "0.1.0"
+    assert cfg.tool_comfy.publisher_id and cfg.tool_comfy.display_name == "Layerwise Offload"
+    assert cfg.project.supported_comfyui_version == ">=0.3.75"
+    assert cfg.project.urls.repository.startswith("https://")
+
+
+# ------------------------------------------------------------------------------------------------ Manager install
+
+_LOAD_SCRIPT = textwrap.dedent("""
+    import asyncio, json, logging, sys
+    base = sys.argv[1]
+    sys.argv = ["main.py", "--cpu", "--base-directory", base, "--disable-api-nodes"]
+    import comfy.options
+    comfy.options.enable_args_parsing()
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    import nodes
+    asyncio.run(nodes.init_external_custom_nodes())
+    mine = {k: v.__module__ for k, v in nodes.NODE_CLASS_MAPPINGS.items() if "custom_nodes" in (v.__module__ or "")}
+    print("RESULT " + json.dumps({
+        "nodes": mine,
+        "display": {k: nodes.NODE_DISPLAY_NAME_MAPPINGS.get(k) for k in mine},
+        "loaded_dirs": dict(nodes.LOADED_MODULE_DIRS),
+        "sys_path": sys.path,
+    }))
+""")
+
+
+@pytest.fixture(scope="module")
+def manager_install(tmp_path_factory):
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: nothing to clone")
+    base = tmp_path_factory.mktemp("manager_base")
+    dest = base / "custom_nodes" / PACK_FOLDER
+    dest.parent.mkdir(parents=True)
+    r = subprocess.run(["git", "clone", "--quiet", str(REPO), str(dest)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return base, dest
+
+
+def test_clone_has_the_pack(manager_install):
+    _, dest = manager_install
+    for rel in ("__init__.py", "nodes", "offload", "workflows", "requirements.txt", "pyproject.toml", "LICENSE"):
+        assert (dest / rel).exists(), f"{rel} is not committed: a Manager install would lack it"
+    assert not (dest / ".venv").exists() and not (dest / ".comfyui").exists()
+
+
+def test_requirements_install_without_touching_torch(manager_install):
+    _, dest = manager_install
+    r = subprocess.run([default_python(), "-m", "pip", "install", "--dry-run", "--disable-pip-version-check",
+                        "-r", str(dest / "requirements.txt")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    would = [line for line in r.stdout.splitlines() if line.startswith("Would install")]
+    assert not any(re.search(r"\btorch", line) for line in would), would
+
+
+def test_comfyui_imports_the_cloned_pack(manager_install):
+    base, dest = manager_install
+    comfy_dir = default_comfyui_path()
+    r = subprocess.run([default_python(), "-c", _LOAD_SCRIPT, str(base)], cwd=str(comfy_dir),
+                       capture_output=True, text=True, timeout=300)
+    log = r.stderr
+    assert r.returncode == 0, log[-4000:]
+    result = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert "Cannot import" not in log, log[-4000:]
+    import_lines = [line for line in log.splitlines() if line.rstrip().endswith(str(dest))]
+    assert import_lines and "IMPORT FAILED" not in import_lines[0], log[-4000:]
+    assert NODE in result["nodes"], result["nodes"]
+    assert result["display"][NODE] == "Layerwise Offload (DiT)"
+    assert Path(result["loaded_dirs"][PACK_FOLDER]) == dest
+    # ComfyUI imported it as a package named after its path; the pack root never went on sys.path.
+    assert str(dest) not in result["sys_path"]

@@ -1,0 +1,90 @@
+"""Every file in workflows/ is a clean UI-format graph for ComfyUI 0.3.75: node types registered (so no
+missing-node warning), links consistent on both ends and with the server's declared types, required inputs
+connected, widget values accepted, a LayerwiseOffload node fed straight by a model loader, and a note on
+choosing resident_layers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from layerwise_offload.devtools.workflow_api import FRONTEND_ONLY, validate_workflow, workflow_to_prompt
+
+REPO = Path(__file__).resolve().parents[2]
+FILES = sorted((REPO / "workflows").glob("*.json"))
+NODE = "LayerwiseOffload"
+
+# The families the brief asks for, each with the diffusion model file(s) its loader must name.
+EXPECTED = {
+    "flux1_dev": ["flux1-dev.safetensors"],
+    "wan2.1_t2v_14B": ["wan2.1_t2v_14B_bf16.safetensors"],
+    "wan2.2_t2v_A14B": ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan2.2_t2v_low_noise_14B_fp16.safetensors"],
+    "qwen_image": ["qwen_image_fp8_e4m3fn.safetensors"],
+    "hunyuan_video": ["hunyuan_video_t2v_720p_bf16.safetensors"],
+    "layerwise_offload_tiny_wan21": ["layerwise_offload_tiny_wan21.safetensors"],
+}
+
+
+def _load(path: Path):
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_every_family_has_a_workflow():
+    names = [p.stem for p in FILES]
+    for prefix in EXPECTED:
+        assert any(n.startswith(prefix) for n in names), f"no workflow for {prefix} in {names}"
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_workflow_is_valid_for_this_comfyui(path, object_info):
+    wf = _load(path)
+    tiny = "tiny" in path.stem
+    problems = validate_workflow(wf, object_info, check_files=tiny)
+    assert not problems, "\n".join(problems)
+    # The frontend would produce a prompt the server accepts (checked for real on the tiny one in test_server).
+    workflow_to_prompt(wf, object_info)
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_offload_sits_between_loader_and_sampler(path):
+    wf = _load(path)
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    links = {lk[0]: lk for lk in wf["links"]}
+    offload = [n for n in wf["nodes"] if n["type"] == NODE]
+    loaders = [n for n in wf["nodes"] if n["type"] == "UNETLoader"]
+    expected_files = next(v for k, v in EXPECTED.items() if path.stem.startswith(k))
+    assert sorted(n["widgets_values"][0] for n in loaders) == sorted(expected_files)
+    assert len(offload) == len(loaders) >= 1, "one LayerwiseOffload per diffusion model"
+    for n in offload:
+        src = nodes[links[n["inputs"][0]["link"]][1]]
+        assert src["type"] == "UNETLoader", f"node {n['id']} is fed by {src['type']}"
+        assert n["outputs"][0]["links"], f"node {n['id']}'s MODEL output goes nowhere"
+        resident, prefetch, policy, pin = n["widgets_values"]
+        assert resident >= 0 and prefetch >= 1 and policy in ("leading", "strided") and isinstance(pin, bool)
+        assert n["properties"].get("cnr_id") == "layerwise-offload"
+    notes = [n for n in wf["nodes"] if n["type"] in FRONTEND_ONLY and n["type"] != "Reroute"]
+    assert any("resident_layers" in (n.get("widgets_values") or [""])[0] for n in notes), \
+        "no Note/MarkdownNote explains resident_layers"
+
+
+def test_wan22_runs_each_expert_through_its_own_offload_and_sampler():
+    wf = _load(next(p for p in FILES if p.stem.startswith("wan2.2")))
+    samplers = [n for n in wf["nodes"] if n["type"] == "KSamplerAdvanced"]
+    assert len(samplers) == 2
+    by_start = sorted(samplers, key=lambda n: n["widgets_values"][7])
+    hi, lo = by_start
+    assert hi["widgets_values"][0] == "enable" and hi["widgets_values"][9] == "enable"
+    assert lo["widgets_values"][0] == "disable" and lo["widgets_values"][9] == "disable"
+    assert hi["widgets_values"][8] == lo["widgets_values"][7], "the low-noise pass starts where the high one ends"
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    links = {lk[0]: lk for lk in wf["links"]}
+
+    def loader_of(node):  # walk the MODEL input upstream to the UNETLoader
+        while node["type"] != "UNETLoader":
+            model_in = next(i for i in node["inputs"] if i["type"] == "MODEL")
+            node = nodes[links[model_in["link"]][1]]
+        return node["widgets_values"][0]
+
+    assert "high_noise" in loader_of(hi) and "low_noise" in loader_of(lo)
