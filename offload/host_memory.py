@@ -13,7 +13,6 @@ of patching psutil or /proc.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable, Iterable, Optional, Union
 
 log = logging.getLogger("layerwise_offload")

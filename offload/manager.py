@@ -11,25 +11,23 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from contextlib import contextmanager
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
 from .config import OffloadConfig, resolve_resident_count
 from .device_backend import make_backend
-from .host_memory import available_host_bytes, pinnable_bytes
-from .host_store import BlockLayout, HostStore, block_parameters, plan_layout
+from .host_memory import available_host_bytes
+from .host_store import HostStore, block_parameters, plan_layout
 from .schedule import Schedule, choose_resident_blocks
-from .stats import OffloadStats
+from .hooks import HookMixin
+from .host_side import HostSideMixin
+from .stats import OffloadStats, snapshot
 
 log = logging.getLogger("layerwise_offload")
 
 _compiler_disable = torch.compiler.disable
-
-# Never let the host store take the host below this much available memory: fail with a clear error instead.
-HOST_OOM_MARGIN_BYTES = 512 * 2**20
 
 
 def normalize_device(device: torch.device) -> torch.device:
@@ -42,7 +40,7 @@ def normalize_device(device: torch.device) -> torch.device:
         return device
 
 
-class LayerwiseOffloadManager:
+class LayerwiseOffloadManager(HookMixin, HostSideMixin):
     """Keeps the leading (or strided) blocks on ``device`` and streams the rest from host memory.
 
     Args:
@@ -133,60 +131,6 @@ class LayerwiseOffloadManager:
         held = sum(b.numel() for b in self._resident_buffers.values())
         return held + sum(b.numel() for b in self._slots)
 
-    # ----------------------------------------------------------------- hooks
-    def attach(self, root: Optional[nn.Module] = None) -> "LayerwiseOffloadManager":
-        """Install the block hooks (and forward-scope hooks on ``root``, if given). Idempotent."""
-        if self._hooks:
-            return self
-        for index, block in enumerate(self.blocks):
-            self._hooks.append(block.register_forward_pre_hook(self._make_pre_hook(index)))
-            self._hooks.append(block.register_forward_hook(self._make_post_hook(index), always_call=True))
-        if root is not None:
-            self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
-            self._hooks.append(root.register_forward_hook(
-                lambda module, args, output: self.end_forward(), always_call=True))
-        return self
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-
-    @property
-    def hooks_installed(self) -> bool:
-        return bool(self._hooks)
-
-    def _make_pre_hook(self, index: int):
-        def pre_hook(module, args):
-            self.before_block(index)
-        return pre_hook
-
-    def _make_post_hook(self, index: int):
-        def post_hook(module, args, output):
-            self.after_block(index)
-        return post_hook
-
-    @contextmanager
-    def forward_scope(self):
-        """Count one model forward: per-forward counters cover what happens inside."""
-        self.begin_forward()
-        try:
-            yield self
-        finally:
-            self.end_forward()
-
-    @_compiler_disable
-    def begin_forward(self) -> None:
-        self._forwards += 1
-        self._forward_bytes = 0
-        self._forward_copies = 0
-        self.backend.settle(block=False)
-
-    @_compiler_disable
-    def end_forward(self) -> None:
-        self._last_forward_bytes = self._forward_bytes
-        self._last_forward_copies = self._forward_copies
-
     # ----------------------------------------------------------------- the step
     @_compiler_disable
     def before_block(self, index: int) -> None:
@@ -221,83 +165,6 @@ class LayerwiseOffloadManager:
                 break
 
     # ----------------------------------------------------------------- arming
-    def prepare(self, progress: Optional[Callable[[int, int], None]] = None) -> List[int]:
-        """Build the host store from the blocks' current parameters, or bring it up to date.
-
-        The first call packs every block. Later calls repack only blocks whose parameters were
-        replaced or moved by someone else (a LoRA bake swapping Parameter objects, a whole-model
-        ``.to()``), and return their indices; an unchanged model costs a pointer comparison.
-        ``progress(done, total)`` is called after each packed block (a UI progress bar).
-        """
-        if self.store is None:
-            self.store = HostStore([plan_layout(named) for named in self._named_params])
-            changed = list(range(self.num_blocks))
-        else:
-            changed = [i for i in range(self.num_blocks) if not self._block_is_ours(i)]
-        if changed and self.armed:
-            self.release_all()
-        self._pack_blocks(changed, progress)
-        return changed
-
-    def repack_block(self, index: int) -> None:
-        """Re-read one block's parameters (new objects or new values) into the host store."""
-        if self.armed:
-            self.release_all()
-        if self.store is None:
-            self.prepare()
-        else:
-            self._pack_blocks([index])
-
-    def _pack_blocks(self, indices: Sequence[int], progress=None) -> None:
-        pinned = self._blocks_to_pin(indices)
-        for done, index in enumerate(indices, 1):
-            self._pack(index, pin=index in pinned)
-            if progress is not None:
-                progress(done, len(indices))
-
-    def _blocks_to_pin(self, indices: Sequence[int]) -> set:
-        """Pin what the host can spare with a margin; streamed blocks benefit most, so the trailing first."""
-        if not self.pin_memory or not indices:
-            return set()
-        sizes = {i: plan_layout(block_parameters(self.blocks[i])).nbytes for i in indices}
-        requested = sum(sizes.values())
-        allowed = pinnable_bytes(requested, cap=self.pin_cap_bytes, available=self.available_host_bytes)
-        chosen, total = set(), 0
-        for index in sorted(indices, reverse=True):
-            if total + sizes[index] <= allowed:
-                chosen.add(index)
-                total += sizes[index]
-        if total < requested:
-            log.warning("[layerwise-offload] pinning %.2f of %.2f GiB of the host store to keep host memory free "
-                        "(pinned memory cannot be swapped); the rest stays pageable and copies from it are slower",
-                        total / 2**30, requested / 2**30)
-        return chosen
-
-    def _pack(self, index: int, pin: bool) -> None:
-        nbytes = plan_layout(block_parameters(self.blocks[index])).nbytes
-        available = self.available_host_bytes()
-        if available is not None and available < nbytes + HOST_OOM_MARGIN_BYTES:
-            raise MemoryError(
-                f"[layerwise-offload] host memory is short: block {index} needs {nbytes / 2**20:.0f} MiB but only "
-                f"{available / 2**20:.0f} MiB is available. Free RAM (close programs, unload other models), use "
-                f"a smaller checkpoint (fp8), or keep more blocks resident on the GPU")
-        with torch.inference_mode(False):
-            named = block_parameters(self.blocks[index])
-            self._named_params[index] = named
-            self.store.layouts[index] = plan_layout(named)
-            self.store.pack_block(index, pin)
-            self._drop_views(index)
-            self._materialized[index] = False
-            self._point_released(index)
-
-    def _block_is_ours(self, index: int) -> bool:
-        expected = self._expected_pointers[index]
-        named = block_parameters(self.blocks[index])
-        if expected is None or len(named) != len(self._named_params[index]):
-            return False
-        return all(param is known and param.data_ptr() == pointer
-                   for (_, param), (_, known), pointer in zip(named, self._named_params[index], expected))
-
     def _make_schedule(self) -> Schedule:
         count = self.resident_count()
         return Schedule(choose_resident_blocks(self.num_blocks, count, self.config.policy))
@@ -508,31 +375,10 @@ class LayerwiseOffloadManager:
         self._move_block_buffers(target)
         self._placeholders = {}
 
-    # ----------------------------------------------------------------- stats
     def stats(self, synchronize: bool = True) -> OffloadStats:
+        """A snapshot of the counters; ``synchronize`` waits for pending copy timings first."""
         self.backend.settle(block=synchronize)
-        schedule = self.schedule or self._make_schedule()
-        return OffloadStats(
-            num_blocks=self.num_blocks,
-            resident_blocks=len(schedule.resident_blocks),
-            streamed_blocks=len(schedule.streamed_blocks),
-            forwards=self._forwards,
-            bytes_copied=self._bytes_copied,
-            copies_issued=self._copies_issued,
-            demand_copies=self._demand_copies,
-            bytes_copied_last_forward=self._last_forward_bytes,
-            copies_last_forward=self._last_forward_copies,
-            materialized_blocks=sum(self._materialized),
-            peak_materialized_blocks=self._peak_materialized,
-            resident_bytes=sum(b.numel() for b in self._resident_buffers.values()),
-            device_bytes=self.device_bytes(),
-            peak_device_bytes=self._peak_device_bytes,
-            planned_device_bytes=self.planned_device_bytes(schedule),
-            host_bytes=self.store.nbytes() if self.store is not None else 0,
-            pinned_host_bytes=self.store.pinned_nbytes() if self.store is not None else 0,
-            copy_seconds=self.backend.copy_seconds,
-            stall_seconds=self.backend.stall_seconds,
-        )
+        return snapshot(self, self.schedule or self._make_schedule())
 
     def _check_no_shared_parameters(self) -> None:
         owner: Dict[int, int] = {}

@@ -35,3 +35,29 @@ class OffloadStats:
         data = asdict(self)
         data["achieved_gbps"] = self.achieved_gbps
         return data
+
+
+def snapshot(manager, schedule) -> OffloadStats:
+    """The counters of ``manager`` under ``schedule`` (its current plan) as one frozen record."""
+    m = manager
+    return OffloadStats(
+        num_blocks=m.num_blocks,
+        resident_blocks=len(schedule.resident_blocks),
+        streamed_blocks=len(schedule.streamed_blocks),
+        forwards=m._forwards,
+        bytes_copied=m._bytes_copied,
+        copies_issued=m._copies_issued,
+        demand_copies=m._demand_copies,
+        bytes_copied_last_forward=m._last_forward_bytes,
+        copies_last_forward=m._last_forward_copies,
+        materialized_blocks=sum(m._materialized),
+        peak_materialized_blocks=m._peak_materialized,
+        resident_bytes=sum(b.numel() for b in m._resident_buffers.values()),
+        device_bytes=m.device_bytes(),
+        peak_device_bytes=m._peak_device_bytes,
+        planned_device_bytes=m.planned_device_bytes(schedule),
+        host_bytes=m.store.nbytes() if m.store is not None else 0,
+        pinned_host_bytes=m.store.pinned_nbytes() if m.store is not None else 0,
+        copy_seconds=m.backend.copy_seconds,
+        stall_seconds=m.backend.stall_seconds,
+    )
