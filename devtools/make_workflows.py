@@ -29,6 +29,7 @@ PACK_CNR_ID = "layerwise-offload"
 PACK_VERSION = "0.1.0"
 CORE_VERSION = "0.3.75"
 NODE_ID = "LayerwiseOffload"
+STATS_ID = "LayerwiseOffloadStats"
 
 # Slots of every node type used: (inputs [(name, type)], outputs [(name, type)], widget names).
 # tests/e2e/test_workflows.py checks these against ComfyUI 0.3.75's /object_info.
@@ -68,6 +69,7 @@ SPECS: Dict[str, Tuple[List[Tuple[str, str]], List[Tuple[str, str]], List[str]]]
     "SaveLatent": ([("samples", "LATENT")], [], ["filename_prefix"]),
     NODE_ID: ([("model", "MODEL")], [("MODEL", "MODEL")],
               ["resident_layers", "prefetch_size", "residency_policy", "pin_memory"]),
+    STATS_ID: ([("model", "MODEL"), ("after", "LATENT")], [("STRING", "STRING")], []),
     "MarkdownNote": ([], [], ["text"]),
     "Note": ([], [], ["text"]),
 }
@@ -154,7 +156,7 @@ class Graph:
         }
         if type_ not in FRONTEND_ONLY:
             node["properties"]["Node name for S&R"] = type_
-            if type_ == NODE_ID:
+            if type_ in (NODE_ID, STATS_ID):
                 node["properties"].update({"cnr_id": PACK_CNR_ID, "ver": PACK_VERSION})
             else:
                 node["properties"].update({"cnr_id": "comfy-core", "ver": CORE_VERSION})
@@ -237,8 +239,11 @@ VRAM**.
 3. Divide the rest by the block size below: that is `resident_layers`.
 4. Out of memory? Lower `resident_layers` by a few (or lower the resolution). VRAM left over? Raise it.
 
-`0` streams every block (least VRAM, slowest). A value at or above the block count keeps the whole model
-resident (like no offload). `residency_policy = strided` spreads the streamed blocks evenly over the step instead
+`-1` (auto) keeps as many blocks as fit in the VRAM that is free at the first step of each run, after room
+for activations: a good first try. `0` streams every block (least VRAM, slowest). A value at or above the block
+count keeps the whole model resident (like no offload). After a run, the **Layerwise Offload Stats** node shows
+the blocks resident and streamed, the bytes copied per step, how long sampling waited for copies, the peak VRAM
+and what to change. `residency_policy = strided` spreads the streamed blocks evenly over the step instead
 of keeping the leading ones, which can smooth PCIe traffic. `pin_memory` (on) makes copies faster and
 asynchronous; turn it off only if the system runs short of RAM.
 """
@@ -251,6 +256,13 @@ def _note(g: Graph, pos, text: str, size=(520, 560)) -> None:
 def _offload(g: Graph, pos, resident: int, prefetch: int = 1, title: Optional[str] = None) -> Dict[str, Any]:
     return g.add(NODE_ID, pos, [resident, prefetch, "leading", True], size=(320, 154), title=title,
                  color=OFFLOAD_COLOR)
+
+
+def _stats(g: Graph, pos, offload: Dict[str, Any], sampler: Dict[str, Any], title: Optional[str] = None) -> None:
+    """A Layerwise Offload Stats node reading the offload's MODEL after ``sampler`` (output 0) ran."""
+    st = g.add(STATS_ID, pos, [], size=(420, 220), title=title, color=OFFLOAD_COLOR)
+    g.connect(offload, 0, st, "model")
+    g.connect(sampler, 0, st, "after")
 
 
 # --------------------------------------------------------------------------------------------------- workflows
@@ -282,6 +294,7 @@ def flux1_dev() -> Dict[str, Any]:
     g.connect(ks, 0, dec, "samples")
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, save, "images")
+    _stats(g, (860, 420), off, ks)
     _note(g, (-560, 0), HOW_TO + """
 ### Flux.1 [dev] (bf16, 23.8 GB)
 
@@ -327,6 +340,7 @@ def wan21_t2v_14b() -> Dict[str, Any]:
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, vid, "images")
     g.connect(vid, 0, save, "video")
+    _stats(g, (860, 560), off, ks)
     _note(g, (-560, 0), HOW_TO + """
 ### Wan 2.1 T2V 14B (bf16, 28.6 GB)
 
@@ -387,6 +401,8 @@ def wan22_t2v_a14b() -> Dict[str, Any]:
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, vid, "images")
     g.connect(vid, 0, save, "video")
+    _stats(g, (1160, 400), off_hi, ks_hi, title="Layerwise Offload Stats (high noise)")
+    _stats(g, (1160, 680), off_lo, ks_lo, title="Layerwise Offload Stats (low noise)")
     _note(g, (-580, 0), HOW_TO + """
 ### Wan 2.2 T2V A14B (two fp16 experts, 28.6 GB each)
 
@@ -430,6 +446,7 @@ def qwen_image() -> Dict[str, Any]:
     g.connect(ks, 0, dec, "samples")
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, save, "images")
+    _stats(g, (860, 420), off, ks)
     _note(g, (-560, 0), HOW_TO + """
 ### Qwen-Image (fp8 e4m3fn, 20.4 GB)
 
@@ -482,6 +499,7 @@ def hunyuan_video() -> Dict[str, Any]:
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, vid, "images")
     g.connect(vid, 0, save, "video")
+    _stats(g, (1240, 700), off, sca)
     _note(g, (-580, 0), HOW_TO + """
 ### HunyuanVideo T2V 720p (bf16, 25.6 GB)
 
@@ -523,6 +541,7 @@ def tiny_demo() -> Dict[str, Any]:
     g.connect(ks, 0, dec, "samples")
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, save, "images")
+    _stats(g, (800, 420), off, ks)
     _note(g, (-580, 0), """## Tiny demo: Layerwise Offload on a 19 MB random Wan 2.1
 
 Runs anywhere in a few seconds, on a GPU or with `--cpu` (set `LAYERWISE_OFFLOAD_CPU_LOOPBACK=1` to run the
@@ -536,7 +555,8 @@ offload machinery on the CPU too; without it the node passes the model through o
   instead, and *ConditioningZeroOut* makes the negative.
 
 The pictures are noise (random weights): the point is that the graph runs with `resident_layers = 2`, i.e. 2 of
-the 4 blocks resident and 2 streamed (try 0, 4 or `residency_policy = strided`), and that the saved latent (output/layerwise_offload/) is bitwise identical to the same graph without the
+the 4 blocks resident and 2 streamed (try 0, 4 or `residency_policy = strided`; the *Layerwise Offload Stats*
+node shows what each run did), and that the saved latent (output/layerwise_offload/) is bitwise identical to the same graph without the
 offload node (bypass it with Ctrl+B and run again to compare).
 """, size=(540, 640))
     return g.to_json()

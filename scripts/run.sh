@@ -104,9 +104,10 @@ cat <<EOF
 [layerwise-offload] ------------------------------------------------------------------------------------------
 [layerwise-offload] ComfyUI $(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$COMFY_DIR/comfyui_version.py") with layerwise-offload on $DEVICE_WORDS
 [layerwise-offload] Open  http://$URL_HOST:$PORT  (ready when the log below says "To see the GUI go to")
-[layerwise-offload] Then: Workflow menu > Browse Templates > layerwise-offload > layerwise_offload_tiny_wan21_demo,
-[layerwise-offload]       and press Run. The graph loads a 4-block random Wan 2.1 through Layerwise Offload (DiT)
-[layerwise-offload]       (2 blocks resident, 2 streamed); the latent and 5 noise frames land in
+[layerwise-offload] Then: click "Templates" in the left sidebar (same as the menu's "Browse Templates"), pick
+[layerwise-offload]       EXTENSIONS > layerwise-offload > layerwise_offload_tiny_wan21_demo, and press Run.
+[layerwise-offload]       The graph runs a 4-block random Wan 2.1 through Layerwise Offload (DiT) (2 blocks resident,
+[layerwise-offload]       2 streamed); the Stats node shows the run, and the latent and 5 noise frames land in
 [layerwise-offload]       $COMFY_DIR/output/layerwise_offload/
 [layerwise-offload] The other templates (Flux.1-dev, Wan 2.1 14B, Wan 2.2 A14B, Qwen-Image, HunyuanVideo) need the
 [layerwise-offload] real model files; each has a note on choosing resident_layers. Ctrl+C stops ComfyUI.

@@ -144,6 +144,10 @@ def test_shipped_tiny_workflow_runs_like_the_api_prompt(comfy_server, object_inf
     entry = comfy_server.run_prompt(prompt)
     latent = saved_latent(comfy_server, entry)
     assert comfy_server.output_files(entry, "images"), entry["outputs"]
+    stats = [nid for nid, n in prompt.items() if n["class_type"] == "LayerwiseOffloadStats"]
+    for nid in stats:  # the stats node reports the run it followed
+        text = " ".join(entry["outputs"][nid]["text"])
+        assert "resident" in text.lower(), text
     ref = saved_latent(comfy_server, comfy_server.run_prompt(tiny_prompt(None, prefix="e2e/ref_workflow")))
     assert torch.equal(latent, ref)
 

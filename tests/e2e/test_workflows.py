@@ -64,6 +64,9 @@ def test_offload_sits_between_loader_and_sampler(path):
         resident, prefetch, policy, pin = n["widgets_values"]
         assert resident >= 0 and prefetch >= 1 and policy in ("leading", "strided") and isinstance(pin, bool)
         assert n["properties"].get("cnr_id") == "layerwise-offload"
+    for st in (n for n in wf["nodes"] if n["type"] == "LayerwiseOffloadStats"):
+        model_src = nodes[links[st["inputs"][0]["link"]][1]]
+        assert model_src["type"] == NODE, f"stats node {st['id']} reads {model_src['type']}, not the offload"
     notes = [n for n in wf["nodes"] if n["type"] in FRONTEND_ONLY and n["type"] != "Reroute"]
     assert any("resident_layers" in (n.get("widgets_values") or [""])[0] for n in notes), \
         "no Note/MarkdownNote explains resident_layers"
