@@ -27,7 +27,13 @@ class HostSideMixin:
         ``.to()``), and return their indices; an unchanged model costs a pointer comparison.
         ``progress(done, total)`` is called after each packed block (a UI progress bar).
         """
-        if self.store is None:
+        inference = bool(block_parameters(self.blocks[0])) and block_parameters(self.blocks[0])[0][1].is_inference()
+        if self.store is None or inference != self.inference_tensors:
+            # Parameters made under inference_mode (ComfyUI loads models inside it) are inference
+            # tensors and accept only inference tensors as .data: every buffer follows their kind.
+            self.inference_tensors = inference
+            if self.armed:
+                self.release_all()
             self.store = HostStore([plan_layout(named) for named in self._named_params])
             changed = list(range(self.num_blocks))
         else:
@@ -79,7 +85,7 @@ class HostSideMixin:
                 f"[layerwise-offload] host memory is short: block {index} needs {nbytes / 2**20:.0f} MiB but only "
                 f"{available / 2**20:.0f} MiB is available. Free RAM (close programs, unload other models), use "
                 f"a smaller checkpoint (fp8), or keep more blocks resident on the GPU")
-        with torch.inference_mode(False):
+        with torch.inference_mode(self.inference_tensors):
             named = block_parameters(self.blocks[index])
             self._named_params[index] = named
             self.store.layouts[index] = plan_layout(named)

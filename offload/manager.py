@@ -40,6 +40,10 @@ def normalize_device(device: torch.device) -> torch.device:
         return device
 
 
+def _is_inference(named_params) -> bool:
+    return bool(named_params) and named_params[0][1].is_inference()
+
+
 class LayerwiseOffloadManager(HookMixin, HostSideMixin):
     """Keeps the leading (or strided) blocks on ``device`` and streams the rest from host memory.
 
@@ -69,13 +73,14 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         self._check_no_shared_parameters()
         self.backend = make_backend(self.device, self.config.measure_time)
         self.store: Optional[HostStore] = None
+        self.inference_tensors = False  # whether the blocks' parameters (and so our buffers) are inference tensors
         # Host-memory policy: an outside cap on pinned bytes (ComfyUI's own limit), and the reader of
         # available host memory (replaceable, so tests can pass a figure instead of patching psutil).
         self.pin_cap_bytes: Optional[int] = None
         self.available_host_bytes = available_host_bytes
         self.schedule: Optional[Schedule] = None
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
-        self._placeholders: Dict[torch.dtype, torch.Tensor] = {}
+        self._placeholders: Dict[tuple, torch.Tensor] = {}
         self._reset_device_state()
         self._bytes_copied = 0
         self._copies_issued = 0
@@ -193,7 +198,7 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         self._note_peaks()
 
     def _allocate_device(self, nbytes: int) -> torch.Tensor:
-        with torch.inference_mode(False):
+        with torch.inference_mode(self.inference_tensors):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def _move_block_buffers(self, device: torch.device) -> None:
@@ -205,8 +210,9 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
 
     # ----------------------------------------------------------------- copies
     def _materialize(self, index: int, protect: Iterable[int] = (), may_fail: bool = False) -> bool:
-        # Views made under inference_mode would be inference tensors, unusable by autograd later.
-        with torch.inference_mode(False):
+        # Buffers and views are of the parameters' kind (see prepare): normal views made under
+        # inference_mode would be unusable by autograd later, normal data in an inference parameter fails.
+        with torch.inference_mode(self.inference_tensors):
             return self._materialize_normal(index, protect, may_fail)
 
     def _materialize_normal(self, index: int, protect: Iterable[int], may_fail: bool) -> bool:
@@ -271,15 +277,18 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         self._peak_device_bytes = max(self._peak_device_bytes, self.device_bytes())
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        placeholder = self._placeholders.get(dtype)
+        key = (dtype, self.inference_tensors)
+        placeholder = self._placeholders.get(key)
         if placeholder is None:
-            with torch.inference_mode(False):
-                placeholder = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self.host_device)
+            with torch.inference_mode(self.inference_tensors):
+                placeholder = self._placeholders[key] = torch.empty(0, dtype=dtype, device=self.host_device)
         return placeholder
 
     def _point_at(self, index: int, views: Sequence[torch.Tensor]) -> None:
-        for entry, view in zip(self.store.layouts[index].entries, views):
-            entry.param.data = view
+        # A normal parameter's .data may only be swapped outside inference_mode.
+        with torch.inference_mode(_is_inference(self._named_params[index])):
+            for entry, view in zip(self.store.layouts[index].entries, views):
+                entry.param.data = view
         self._expected_pointers[index] = [param.data_ptr() for _, param in self._named_params[index]]
 
     def _point_released(self, index: int) -> None:
@@ -366,8 +375,8 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         self.release_all()
         self.remove_hooks()
         if self.store is not None:
-            with torch.inference_mode(False):
-                for index, layout in enumerate(self.store.layouts):
+            for index, layout in enumerate(self.store.layouts):
+                with torch.inference_mode(_is_inference(self._named_params[index])):
                     for entry, view in zip(layout.entries, self.store.views(index)):
                         entry.param.data = view.to(target, copy=True)
             self.store = None

@@ -372,3 +372,20 @@ def test_host_store_replaces_the_weights_instead_of_copying_them():
     grown = process.memory_info().rss - before
     assert manager.store.nbytes() == total
     assert grown < 0.25 * total, f"RSS grew {grown / 2**20:.0f} MiB for a {total / 2**20:.0f} MiB store"
+
+
+@pytest.mark.parametrize("released_params", ["placeholder", "host"])
+def test_a_model_built_under_inference_mode(sample_input, released_params):
+    """ComfyUI loads models and runs prompts inside inference_mode: parameters are inference tensors."""
+    with torch.inference_mode():
+        model = ToyTransformer()
+        manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2,
+                                          released_params=released_params)
+        assert model.single_blocks[0].mix.weight.is_inference()
+        for _ in range(2):
+            assert torch.equal(model(sample_input), reference_output(sample_input))
+    manager.release_all()  # outside inference_mode, as ComfyUI's unload may be
+    manager.prepare()
+    manager.detach()
+    with torch.inference_mode():
+        assert torch.equal(model(sample_input), reference_output(sample_input))
