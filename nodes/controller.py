@@ -91,6 +91,7 @@ class OffloadController:
         # Highest resident count ComfyUI's VRAM budget allows now (None: no limit), set when ComfyUI
         # loads the model with a budget or asks for memory back.
         self.resident_cap: Optional[int] = None
+        self.loaded_by: Optional[int] = None  # id() of the patcher ComfyUI loaded this model through
         self.manager = shared_manager(self.diffusion_model, discovered, self.device, self.config)
         self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
         self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()

@@ -65,6 +65,7 @@ class LayerwiseOffloadPatcherMixin:
             self.model.device = device_to
             self.model.current_weight_patches_uuid = self.patches_uuid
             self.model.model_loaded_weight_memory = controller.loaded_bytes()
+            controller.loaded_by = id(self)
             for callback in self.get_all_callbacks(CallbacksMP.ON_LOAD):
                 callback(self, device_to, extra_memory, force_patch_weights, False)
         return max(0, self.model.model_loaded_weight_memory - before)
@@ -82,6 +83,17 @@ class LayerwiseOffloadPatcherMixin:
             controller.release_device_memory()
             controller.put_non_block_weights(self, self.offload_device)
         return super().detach(unpatch_all)
+
+    def __del__(self):
+        # ComfyUI keeps a loaded model listed after its patcher is garbage collected, re-pointed at the
+        # patcher's parent, which knows nothing of the manager. The patcher that loaded the model gives
+        # the device memory back as it goes, so nothing stays on the device that ComfyUI cannot unload.
+        controller = getattr(self, "attachments", {}).get(self.ATTACHMENT)
+        if controller is not None and controller.loaded_by == id(self):
+            controller.loaded_by = None
+            controller.release_device_memory()
+            self.model.model_loaded_weight_memory = controller.loaded_bytes()
+        super().__del__()
 
     def clone(self, *args, **kwargs):
         clone = super().clone(*args, **kwargs)

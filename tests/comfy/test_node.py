@@ -212,3 +212,42 @@ def test_bad_settings_raise_value_errors_naming_the_value():
         offload_model(model, 1, 0, "leading", True)
     with pytest.raises(ValueError, match="'sideways'"):
         offload_model(model, 1, 1, "sideways", True)
+
+
+def test_everything_under_inference_mode_as_the_server_runs_it():
+    """ComfyUI's executor loads models and samples inside torch.inference_mode."""
+    with torch.inference_mode():
+        lora = random_lora(tiny_dits.build_tiny("wan21"), seed=7)
+        want = tiny_dits.sample(with_lora(tiny_dits.build_tiny("wan21"), lora, 0.8), seed=3)
+        mm.unload_all_models()
+        model = tiny_dits.build_tiny("wan21")
+        offloaded = with_lora(offload_model(model, 2, 1, "strided", True), lora, 0.8)
+        for _ in range(2):
+            assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
+        assert torch.equal(tiny_dits.sample(offload_model(model, 1, 2, "leading", True), seed=3),
+                           tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3))
+    mm.unload_all_models()  # outside inference_mode, as the /free endpoint does
+    assert manager_of(offloaded).device_bytes() == 0
+
+
+def test_a_dropped_output_gives_its_device_memory_back():
+    """ComfyUI re-points a loaded model at the parent patcher when the loaded clone is garbage collected
+    (a changed node input drops the old output); the manager must not keep device memory past that."""
+    import gc
+    model = tiny_dits.build_tiny("wan21")
+    offloaded = offload_model(model, 3, 1, "leading", True)
+    manager = manager_of(offloaded)
+    tiny_dits.sample(offloaded, seed=3)
+    assert manager.device_bytes() > 0
+    del offloaded
+    gc.collect()
+    assert manager.device_bytes() == 0
+    assert [loaded.model for loaded in mm.current_loaded_models] == [model]
+    assert model.loaded_size() == controller_non_block_bytes(model)
+    assert torch.equal(tiny_dits.sample(model, seed=3), baseline("wan21"))
+
+
+def controller_non_block_bytes(model):
+    blocks = {id(m) for b in model.model.diffusion_model.blocks for m in b.modules()}
+    return sum(t.nelement() * t.element_size() for m in model.model.modules() if id(m) not in blocks
+               for t in list(m._parameters.values()) + list(m._buffers.values()) if t is not None)
