@@ -115,15 +115,32 @@ def test_comfyui_sees_true_sizes():
     assert model.model.model_lowvram
 
 
-def test_partially_unload_returns_the_device_memory():
+def test_partially_unload_demotes_residents_and_returns_the_device_memory():
     model = offload_model(tiny_dits.build_tiny("wan21"), 3, 1, "leading", True)
     tiny_dits.sample(model, seed=3)
     manager = manager_of(model)
+    block = manager.block_nbytes()[0]
     held = manager.device_bytes()
-    assert model.partially_unload(model.offload_device, 1) == held
+    assert held == 4 * block  # 3 residents + 1 slot (one streamed block needs no second slot)
+    assert model.partially_unload(model.offload_device, block) == held
     assert manager.device_bytes() == 0
+    # 2 residents would need 2 slots (4 blocks, nothing saved); 1 resident + 2 slots saves one block.
+    assert controller_of(model).resident_cap == 1
+    assert model.model_size() == controller_of(model).non_block_bytes() + 3 * block
     assert model.loaded_size() == controller_of(model).non_block_bytes()
     assert torch.equal(tiny_dits.sample(model, seed=3), baseline("wan21"))
+
+
+def test_comfyui_load_budget_caps_the_residents():
+    model = offload_model(tiny_dits.build_tiny("wan21"), 4, 1, "leading", True)
+    controller = controller_of(model)
+    block = controller.manager.block_nbytes()[0]
+    model.partially_load(model.load_device, extra_memory=3 * block)  # room for 1 resident + 2 slots
+    assert controller.resident_cap == 1
+    assert model.model_size() == controller.non_block_bytes() + 3 * block
+    model.partially_load(model.load_device, extra_memory=1e32)  # "no limit": the asked-for plan again
+    assert controller.resident_cap is None
+    assert model.model_size() == controller.non_block_bytes() + 4 * block
 
 
 def test_two_offloaded_models_alternate_like_wan22():
