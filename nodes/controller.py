@@ -148,14 +148,14 @@ class OffloadController:
                     yield tensor
 
     # ----------------------------------------------------------------- load / unload
-    def place(self, patcher, device_to, extra_memory=None) -> None:
+    def place(self, patcher, device_to, extra_memory=None, loaded_before: int = 0) -> None:
         """ComfyUI's load: non-block weights to the device (LoRA baked), blocks into the host store.
 
         ``extra_memory`` is ComfyUI's budget for more weights on the device (what its partial
         loading would use); the resident count is capped so the plan stays inside it.
         """
         self.put_non_block_weights(patcher, device_to)
-        self._fit_budget(extra_memory)
+        self._fit_budget(extra_memory, loaded_before)
         self._use_own_settings()
         self._bake_block_patches(patcher, device_to)
         changed = self.manager.prepare(progress=_progress_bar())
@@ -204,11 +204,13 @@ class OffloadController:
         if pending:
             log.info("[layerwise-offload] baked LoRA patches into %d blocks", len(pending))
 
-    def _fit_budget(self, extra_memory) -> None:
+    def _fit_budget(self, extra_memory, loaded_before: int = 0) -> None:
         if extra_memory is None or extra_memory >= 1e30:  # ComfyUI's "no limit" (CPU, high VRAM)
             self.resident_cap = None
             return
-        budget = self.manager.device_bytes() + int(extra_memory)
+        # ComfyUI allows this model what it had loaded plus extra_memory; the non-block weights just
+        # placed take their share first.
+        budget = int(loaded_before) + int(extra_memory) - self.non_block_bytes()
         wanted = resolve_resident_count(self.config.resident_layers, self.manager.num_blocks)
         if self.auto:
             wanted = self.manager.num_blocks  # auto plans at the first forward; the budget still caps it
@@ -272,6 +274,7 @@ class OffloadController:
             self.base_model.model_loaded_weight_memory = self.loaded_bytes()
 
     def begin_run(self, patcher) -> None:
+        self.manager.reset_peaks()
         if self.manager.prepare():
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
         self._auto_planned_this_run = False

@@ -60,7 +60,7 @@ class LayerwiseOffloadPatcherMixin:
                 controller.release_device_memory()
             self.unpatch_model(self.offload_device, unpatch_weights=patches_changed)
             self.patch_model(load_weights=False)
-            controller.place(self, device_to, extra_memory)
+            controller.place(self, device_to, extra_memory, loaded_before=before)
             self.model.model_lowvram = True
             self.model.device = device_to
             self.model.current_weight_patches_uuid = self.patches_uuid

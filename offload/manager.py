@@ -272,6 +272,11 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         self._forward_copies += 1
         self.copies_per_block[index] += 1
 
+    def reset_peaks(self) -> None:
+        """Start the peak counters (materialized blocks, device bytes) again from what is held now."""
+        self._peak_materialized = sum(self._materialized)
+        self._peak_device_bytes = self.device_bytes()
+
     def _note_peaks(self) -> None:
         self._peak_materialized = max(self._peak_materialized, sum(self._materialized))
         self._peak_device_bytes = max(self._peak_device_bytes, self.device_bytes())

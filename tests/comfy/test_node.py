@@ -135,7 +135,8 @@ def test_comfyui_load_budget_caps_the_residents():
     model = offload_model(tiny_dits.build_tiny("wan21"), 4, 1, "leading", True)
     controller = controller_of(model)
     block = controller.manager.block_nbytes()[0]
-    model.partially_load(model.load_device, extra_memory=3 * block)  # room for 1 resident + 2 slots
+    non_block = controller.non_block_bytes()
+    model.partially_load(model.load_device, extra_memory=non_block + 3 * block)  # 1 resident + 2 slots
     assert controller.resident_cap == 1
     assert model.model_size() == controller.non_block_bytes() + 3 * block
     model.partially_load(model.load_device, extra_memory=1e32)  # "no limit": the asked-for plan again
