@@ -79,6 +79,17 @@ def execution_error(entry: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return None
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: ask Linux to SIGTERM it when the process that started it dies (a killed test
+    run must not leave a ComfyUI behind; the child has its own session, so no terminal signal reaches it)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def repo_root() -> Path:
     return Path(__file__).resolve().parents[1]
 
@@ -187,7 +198,8 @@ class ComfyServer:
         self._log_file = open(self.log_path, "ab", buffering=0)
         self._log_file.write(("\n==== " + " ".join(self.command()) + "\n").encode())
         self.proc = subprocess.Popen(self.command(), cwd=str(self.comfyui_path), env=env, stdin=subprocess.DEVNULL,
-                                     stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True)
+                                     stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         self.wait_ready(timeout)
         return self
 
