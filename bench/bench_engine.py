@@ -27,13 +27,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.machinery
+import importlib.util
 import json
 import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -41,16 +40,12 @@ PACK_NAME = "layerwise_offload"
 
 
 def import_pack():
-    """Register the repository as the namespace package ``layerwise_offload`` (as tests/conftest.py does)."""
+    """Register the repository as the package ``layerwise_offload`` (devtools/comfy_env.py, loaded by path)."""
     sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO_ROOT]
-    if PACK_NAME not in sys.modules:
-        spec = importlib.machinery.ModuleSpec(PACK_NAME, None, is_package=True)
-        spec.submodule_search_locations = [str(REPO_ROOT)]
-        pkg = types.ModuleType(PACK_NAME)
-        pkg.__spec__ = spec
-        pkg.__path__ = [str(REPO_ROOT)]
-        pkg.__package__ = PACK_NAME
-        sys.modules[PACK_NAME] = pkg
+    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", REPO_ROOT / "devtools" / "comfy_env.py")
+    comfy_env = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(comfy_env)
+    comfy_env.register_pack(REPO_ROOT, PACK_NAME)
     offload = importlib.import_module(f"{PACK_NAME}.offload")
     toy = importlib.import_module(f"{PACK_NAME}.devtools.toy_transformer")
     return offload, toy

@@ -18,10 +18,9 @@ default device, e.g. a GPU, instead of forcing --cpu).
 
 from __future__ import annotations
 
-import importlib.machinery
+import importlib.util
 import os
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -40,15 +39,11 @@ def _drop_repo_root_from_sys_path() -> None:
 
 
 def _register_pack() -> None:
-    if PACK_NAME in sys.modules:
-        return
-    spec = importlib.machinery.ModuleSpec(PACK_NAME, None, is_package=True)
-    spec.submodule_search_locations = [str(REPO_ROOT)]
-    pkg = types.ModuleType(PACK_NAME)
-    pkg.__spec__ = spec
-    pkg.__path__ = [str(REPO_ROOT)]
-    pkg.__package__ = PACK_NAME
-    sys.modules[PACK_NAME] = pkg
+    # devtools/comfy_env.py has no relative imports: load it by path, before the package exists.
+    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", REPO_ROOT / "devtools" / "comfy_env.py")
+    comfy_env = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(comfy_env)
+    comfy_env.register_pack(REPO_ROOT, PACK_NAME)
 
 
 _drop_repo_root_from_sys_path()

@@ -6,18 +6,13 @@ import torch
 import comfy.model_management as mm
 
 from layerwise_offload.devtools import tiny_dits
-from layerwise_offload.nodes.offload_node import CPU_LOOPBACK_ENV, offload_model, offload_stats_text
+from layerwise_offload.nodes.offload_node import offload_model, offload_stats_text
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.nodes.v1 import LayerwiseOffloadStatsV1
 from layerwise_offload.offload.planner import estimate_activation_bytes, plan_residency
 
 
-@pytest.fixture(autouse=True)
-def loopback(monkeypatch):
-    monkeypatch.setenv(CPU_LOOPBACK_ENV, "1")
-    mm.unload_all_models()
-    yield
-    mm.unload_all_models()
+pytestmark = pytest.mark.usefixtures("comfy_loopback")
 
 
 def controller_of(patcher):

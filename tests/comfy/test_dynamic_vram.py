@@ -13,7 +13,7 @@ import comfy.model_management as mm
 from comfy.model_patcher import ModelPatcher
 
 from layerwise_offload.devtools import tiny_dits
-from layerwise_offload.nodes.offload_node import CPU_LOOPBACK_ENV, offload_model
+from layerwise_offload.nodes.offload_node import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 
@@ -49,12 +49,7 @@ def as_class(patcher, cls):
     return patcher
 
 
-@pytest.fixture(autouse=True)
-def loopback(monkeypatch):
-    monkeypatch.setenv(CPU_LOOPBACK_ENV, "1")
-    mm.unload_all_models()
-    yield
-    mm.unload_all_models()
+pytestmark = pytest.mark.usefixtures("comfy_loopback")
 
 
 def test_a_dynamic_model_is_taken_over_as_an_ordinary_one(caplog):

@@ -16,12 +16,7 @@ from layerwise_offload.nodes.offload_node import CPU_LOOPBACK_ENV, offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 
-@pytest.fixture(autouse=True)
-def loopback(monkeypatch):
-    monkeypatch.setenv(CPU_LOOPBACK_ENV, "1")
-    mm.unload_all_models()
-    yield
-    mm.unload_all_models()
+pytestmark = pytest.mark.usefixtures("comfy_loopback")
 
 
 def manager_of(patcher):
