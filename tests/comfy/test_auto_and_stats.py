@@ -95,3 +95,28 @@ def test_stats_node_shows_the_last_run():
     assert "raise resident_layers" in text
     plain = tiny_dits.build_tiny("wan21")
     assert "not offloaded" in offload_stats_text(plain)
+
+
+def test_two_offloaded_models_hold_their_weights_once_in_ram():
+    """Wan 2.2's two experts, each offloaded: packing replaces ComfyUI's CPU weights, nothing is held twice."""
+    import ctypes
+    import gc
+
+    import psutil
+    libc = ctypes.CDLL("libc.so.6")  # glibc keeps freed heap pages; trim them so RSS shows what is held
+    config = dict(tiny_dits.WAN21_TINY_CONFIG, dim=512, num_heads=4, ffn_dim=2048)
+    experts = [tiny_dits._build("WAN21_T2V", config, seed, torch.float32) for seed in (1, 2)]
+    gc.collect()
+    libc.malloc_trim(0)
+    before = psutil.Process().memory_info().rss
+    offloaded = [offload_model(expert, 1, 1, "leading", True) for expert in experts]
+    stores = device = 0
+    for model in offloaded:
+        tiny_dits.sample(model, latent=(1, 16, 1, 8, 8), seed=3, family="wan21")
+        stores += controller_of(model).manager.store.nbytes()
+        device += controller_of(model).manager.device_bytes()  # on the CPU loopback "VRAM" is RAM too
+    gc.collect()
+    libc.malloc_trim(0)
+    grown = psutil.Process().memory_info().rss - before - device
+    assert stores > 100 * 2**20
+    assert grown < 0.25 * stores, f"RSS grew {grown / 2**20:.0f} MiB for {stores / 2**20:.0f} MiB of host stores"
