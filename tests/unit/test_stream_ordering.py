@@ -1,0 +1,159 @@
+"""The CUDA stream/event logic (StreamBackend) checked for data races without a GPU.
+
+The real StreamBackend runs over a stand-in for ``torch.cuda`` whose streams and events only keep
+vector clocks: every op on a stream advances that stream's clock, ``record`` snapshots it and
+``wait_event`` merges it, exactly the happens-before order CUDA guarantees. Copies still run for real
+(on the CPU), so the output is checked as well. For every block read on the "compute stream" the copy
+that filled its slot must happen before the read; for every copy into a slot, every earlier read of
+that memory must happen before the copy starts. The only fake is the GPU's stream semantics.
+"""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from layerwise_offload.devtools.toy_transformer import ToyTransformer
+from layerwise_offload.offload import LayerwiseOffloadManager
+from layerwise_offload.offload.device_backend import StreamBackend
+
+STREAMS = ("compute", "copy")
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name = name
+        self.clock = {s: 0 for s in STREAMS}
+
+    def tick(self):
+        self.clock[self.name] += 1
+        return dict(self.clock)
+
+    def wait_event(self, event):
+        if event.clock is not None:
+            for s in STREAMS:
+                self.clock[s] = max(self.clock[s], event.clock[s])
+
+    def synchronize(self):
+        pass
+
+
+class FakeEvent:
+    def __init__(self, enable_timing=False):
+        self.clock = None
+
+    def record(self, stream):
+        self.clock = stream.tick()
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class FakeCudaModule:
+    """What StreamBackend asks of ``torch.cuda``: Stream, Event, stream(), current_stream()."""
+
+    Event = FakeEvent
+
+    def __init__(self):
+        self.compute = FakeStream("compute")
+        self.current = self.compute
+
+    def Stream(self, device=None):
+        return FakeStream("copy")
+
+    @contextmanager
+    def stream(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def current_stream(self, device=None):
+        return self.current
+
+
+def happens_before(a, b):
+    return all(a[s] <= b[s] for s in STREAMS)
+
+
+class RecordingBackend(StreamBackend):
+    def __init__(self, module):
+        self.module = module
+        self.device = torch.device("cpu")
+        self.measure_time = True
+        self.copy_stream = module.Stream()
+        self.copy_seconds = self.stall_seconds = 0.0
+        self._pending = []
+        self.writes = []  # (start, end, first byte, last byte, clock at start, clock at end)
+
+    def copy(self, dst, src, after=None):
+        handle = super().copy(dst, src, after)
+        start = dst.data_ptr()
+        self.writes.append((start, start + dst.numel(), handle.started.clock, handle.done.clock))
+        return handle
+
+
+def storage_range(block):
+    pointers = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in block.parameters()]
+    return min(a for a, _ in pointers), max(b for _, b in pointers)
+
+
+def overlaps(a, b):
+    return a[0] < b[1] and b[0] < a[1]
+
+
+@pytest.mark.parametrize("resident, prefetch, policy, order", [
+    (0, 1, "leading", None), (0, 2, "strided", None), (2, 1, "leading", None), (3, 3, "strided", None),
+    (1, 1, "leading", [0, 2, 4, 6]), (2, 2, "leading", [6, 5, 4, 3, 2, 1, 0]), (0, 1, "leading", [0, 1, 1, 2, 5, 3]),
+])
+def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(resident, prefetch, policy, order):
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    reference = ToyTransformer()
+    reference.order = order
+    with torch.no_grad():
+        want = reference(x)
+    model = ToyTransformer()
+    model.order = order
+    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
+                                      prefetch_size=prefetch, policy=policy)
+    fake = FakeCudaModule()
+    manager.backend = backend = RecordingBackend(fake)
+    manager.attach(model)
+    reads = []  # (block, memory range, clock when its reads start, clock when they end)
+    starts = {}
+
+    def read_start(index):
+        def hook(module, args):
+            span = storage_range(module)
+            writer = [w for w in backend.writes if overlaps((w[0], w[1]), span)][-1]
+            starts[index] = (span, fake.compute.tick(), len(backend.writes))
+            assert happens_before(writer[3], starts[index][1]), f"block {index} may read before its copy finished"
+        return hook
+
+    def read_end(index):
+        def hook(module, args, output):
+            span, start, writes_at_start = starts.pop(index)
+            for begin, end, _, _ in backend.writes[writes_at_start:]:
+                assert not overlaps((begin, end), span), f"a copy was issued into block {index}'s memory while it ran"
+            reads.append((index, span, start, fake.compute.tick(), len(backend.writes)))
+        return hook
+
+    for index, block in enumerate(model.blocks_in_call_order()):
+        block.register_forward_pre_hook(read_start(index))  # after the manager's: sees the waits it issued
+        block.register_forward_hook(read_end(index), prepend=True)  # before the manager's release
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+    assert backend.writes and reads
+    for number, (begin, end, write_start, _) in enumerate(backend.writes):
+        for index, span, _, read_finished, writes_before in reads:
+            if writes_before <= number and overlaps((begin, end), span):
+                assert happens_before(read_finished, write_start), (
+                    f"copy #{number} may overwrite memory block {index} is still reading")
