@@ -91,8 +91,8 @@ def test_stats_node_shows_the_last_run():
     text = result["result"][0]
     assert result["ui"]["text"] == [text]
     assert "1/4 blocks resident" in text and "copied per forward" in text
-    # On the CPU loopback every copy blocks compute, so the advice is to keep more blocks resident.
-    assert "raise resident_layers" in text
+    # Which advice depends on timings (tested with fixed figures in tests/unit/test_advice.py); it is one of the two.
+    assert "raise resident_layers" in text or "copies fully hidden" in text
     plain = tiny_dits.build_tiny("wan21")
     assert "not offloaded" in offload_stats_text(plain)
 
