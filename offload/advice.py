@@ -24,6 +24,7 @@ class RunReport:
     run_seconds: float
     peak_device_bytes: int
     pinned_host_bytes: int
+    asynchronous: bool = True  # copies can overlap compute (a copy stream); False on the CPU loopback
 
     @property
     def gbps(self) -> float:
@@ -52,6 +53,9 @@ def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
     streamed = report.num_blocks - report.resident_blocks
     if report.forwards == 0:
         return "no forward ran yet: queue a prompt first"
+    if not report.asynchronous:
+        return (f"copies are synchronous on this device (no copy stream, nothing overlaps): they took "
+                f"{report.stall_fraction:.0%} of the run; each block kept resident removes its copy")
     if report.stall_fraction >= HIDDEN_STALL_FRACTION:
         return (f"stalled {report.stall_fraction:.0%} of the run waiting for copies: raise resident_layers "
                 f"(or prefetch_size) if VRAM allows")

@@ -91,8 +91,8 @@ def test_stats_node_shows_the_last_run():
     text = result["result"][0]
     assert result["ui"]["text"] == [text]
     assert "1/4 blocks resident" in text and "copied per forward" in text
-    # Which advice depends on timings (tested with fixed figures in tests/unit/test_advice.py); it is one of the two.
-    assert "raise resident_layers" in text or "copies fully hidden" in text
+    # On the CPU loopback nothing overlaps, and the advice says so whatever the timings.
+    assert "copies are synchronous on this device" in text
     plain = tiny_dits.build_tiny("wan21")
     assert "not offloaded" in offload_stats_text(plain)
 

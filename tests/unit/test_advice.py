@@ -30,6 +30,11 @@ def test_hidden_copies_name_the_count_and_the_memory_freed():
     assert recommend(none_spare, [100 * MiB] * 4).endswith("keep these settings")
 
 
+def test_synchronous_copies_are_never_called_hidden():
+    text = recommend(report(stall_seconds=0.1, asynchronous=False), [100 * MiB] * 4)
+    assert text.startswith("copies are synchronous on this device") and "took 1% of the run" in text
+
+
 def test_figures_read_like_the_log_line():
     text = report(stall_seconds=0.5).figures()
     assert "4/10 blocks resident (0.4 GiB)" in text and "0.6 GiB copied per forward" in text
