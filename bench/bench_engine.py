@@ -29,26 +29,20 @@ import argparse
 import importlib
 import importlib.util
 import json
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PACK_NAME = "layerwise_offload"
 
 
 def import_pack():
-    """Register the repository as the package ``layerwise_offload`` (devtools/comfy_env.py, loaded by path)."""
-    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO_ROOT]
+    """The pack's modules, imported the way tests do it (devtools/comfy_env.py, loaded by path)."""
     spec = importlib.util.spec_from_file_location("_lwo_comfy_env", REPO_ROOT / "devtools" / "comfy_env.py")
     comfy_env = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(comfy_env)
-    comfy_env.register_pack(REPO_ROOT, PACK_NAME)
-    offload = importlib.import_module(f"{PACK_NAME}.offload")
-    toy = importlib.import_module(f"{PACK_NAME}.devtools.toy_transformer")
-    return offload, toy
+    return comfy_env.import_pack_modules("offload", "devtools.toy_transformer", root=REPO_ROOT)
 
 
 offload, toy = import_pack()

@@ -34,6 +34,7 @@ __all__ = [
     "repo_root",
     "comfyui_path",
     "register_pack",
+    "import_pack_modules",
     "import_comfyui",
 ]
 
@@ -89,6 +90,15 @@ def register_pack(root: Optional[PathLike] = None, name: str = PACK_NAME) -> typ
     pkg.__file__ = None
     sys.modules[name] = pkg
     return pkg
+
+
+def import_pack_modules(*submodules: str, root: Optional[PathLike] = None):
+    """For scripts: take the repository root off ``sys.path``, register the pack, import ``submodules``
+    (e.g. ``"offload"``, ``"devtools.toy_transformer"``) and return them in order."""
+    root_path = Path(root).resolve() if root is not None else repo_root()
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != root_path]
+    register_pack(root_path)
+    return tuple(importlib.import_module(f"{PACK_NAME}.{name}") for name in submodules)
 
 
 def _loaded_comfy_dir() -> Optional[Path]:

@@ -19,7 +19,7 @@ from torch import nn
 
 import comfy.model_management
 
-from ..offload.manager import normalize_device
+from ..offload.device_backend import normalize_device
 from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
 from ..offload.advice import RunReport, recommend
 from ..offload.planner import describe, estimate_activation_bytes, plan_residency

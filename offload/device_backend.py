@@ -134,6 +134,16 @@ class StreamBackend:
         self.copy_stream.synchronize()
 
 
+def normalize_device(device: torch.device) -> torch.device:
+    """``cuda`` -> ``cuda:N`` (the current one), so device comparisons with tensors hold."""
+    if device.type == "cpu" or device.index is not None:
+        return device
+    try:
+        return torch.device(device.type, torch.get_device_module(device).current_device())
+    except (AttributeError, RuntimeError, AssertionError):
+        return device
+
+
 def make_backend(device: torch.device, measure_time: bool = True):
     if device.type == "cpu":
         return SyncBackend(device, measure_time)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig, resolve_resident_count
-from .device_backend import make_backend
+from .device_backend import make_backend, normalize_device
 from .host_memory import available_host_bytes
 from .host_store import HostStore, block_parameters, plan_layout
 from .schedule import Schedule, choose_resident_blocks
@@ -28,16 +28,6 @@ from .stats import OffloadStats, snapshot
 log = logging.getLogger("layerwise_offload")
 
 _compiler_disable = torch.compiler.disable
-
-
-def normalize_device(device: torch.device) -> torch.device:
-    """``cuda`` -> ``cuda:N`` (the current one), so device comparisons with tensors hold."""
-    if device.type == "cpu" or device.index is not None:
-        return device
-    try:
-        return torch.device(device.type, torch.get_device_module(device).current_device())
-    except (AttributeError, RuntimeError, AssertionError):
-        return device
 
 
 def _is_inference(named_params) -> bool:
