@@ -164,7 +164,7 @@ class OffloadController:
                      _gib(self.manager.store.nbytes()), _gib(self.manager.store.pinned_nbytes()))
 
     def put_non_block_weights(self, patcher, device_to) -> None:
-        device_to = torch.device(device_to)
+        device_to = normalize_device(torch.device(device_to))
         prefix_of = {id(m): name for name, m in self.base_model.named_modules()}
         for module in self._non_block_modules():
             name = prefix_of.get(id(module), "")
