@@ -308,6 +308,18 @@ models/text_encoders, `ae.safetensors` in models/vae.
     return g.to_json()
 
 
+WAN_POSITIVE = "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking camera"
+WAN_NEGATIVE = "static, blurry, low quality, worst quality, jpeg artifacts, deformed, extra fingers, messy background"
+
+
+def _prompt_pair(g, x: int, y: int, positive: str, negative: str, negative_height: int = 160):
+    """The positive and negative CLIPTextEncode nodes, stacked at (x, y) and (x, y + 200)."""
+    pos = g.add("CLIPTextEncode", (x, y), [positive], size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
+    neg = g.add("CLIPTextEncode", (x, y + 200), [negative], size=(400, negative_height),
+                title="CLIP Text Encode (Negative Prompt)")
+    return pos, neg
+
+
 def wan21_t2v_14b() -> Dict[str, Any]:
     g = Graph(_wid("wan21_t2v_14b"))
     unet = g.add("UNETLoader", (0, 0), ["wan2.1_t2v_14B_bf16.safetensors", "default"], size=(320, 82),
@@ -317,12 +329,7 @@ def wan21_t2v_14b() -> Dict[str, Any]:
     vae = g.add("VAELoader", (0, 300), ["wan_2.1_vae.safetensors"], size=(320, 58), color=LOADER_COLOR)
     off = _offload(g, (400, 0), resident=20)
     ms = g.add("ModelSamplingSD3", (400, 200), [8.0], size=(320, 58))
-    pos = g.add("CLIPTextEncode", (400, 300), [
-        "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking camera"],
-        size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
-    neg = g.add("CLIPTextEncode", (400, 500), [
-        "static, blurry, low quality, worst quality, jpeg artifacts, deformed, extra fingers, messy background"],
-        size=(400, 160), title="CLIP Text Encode (Negative Prompt)")
+    pos, neg = _prompt_pair(g, 400, 300, WAN_POSITIVE, WAN_NEGATIVE)
     lat = g.add("EmptyHunyuanLatentVideo", (400, 700), [832, 480, 33, 1], size=(320, 130))
     ks = g.add("KSampler", (860, 0), [42, "fixed", 30, 6.0, "uni_pc", "simple", 1.0], size=(320, 262))
     dec = g.add("VAEDecode", (860, 320), [], size=(210, 46))
@@ -367,12 +374,7 @@ def wan22_t2v_a14b() -> Dict[str, Any]:
     off_lo = _offload(g, (420, 200), resident=20, title="Layerwise Offload (low noise)")
     ms_hi = g.add("ModelSamplingSD3", (800, 0), [8.0], size=(300, 58))
     ms_lo = g.add("ModelSamplingSD3", (800, 200), [8.0], size=(300, 58))
-    pos = g.add("CLIPTextEncode", (420, 400), [
-        "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking camera"],
-        size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
-    neg = g.add("CLIPTextEncode", (420, 600), [
-        "static, blurry, low quality, worst quality, jpeg artifacts, deformed, extra fingers, messy background"],
-        size=(400, 160), title="CLIP Text Encode (Negative Prompt)")
+    pos, neg = _prompt_pair(g, 420, 400, WAN_POSITIVE, WAN_NEGATIVE)
     lat = g.add("EmptyHunyuanLatentVideo", (420, 800), [640, 640, 81, 1], size=(320, 130))
     ks_hi = g.add("KSamplerAdvanced", (1160, 0),
                   ["enable", 42, "fixed", 20, 3.5, "euler", "simple", 0, 10, "enable"], size=(320, 334),
@@ -427,10 +429,8 @@ def qwen_image() -> Dict[str, Any]:
     vae = g.add("VAELoader", (0, 300), ["qwen_image_vae.safetensors"], size=(320, 58), color=LOADER_COLOR)
     off = _offload(g, (400, 0), resident=40)
     ms = g.add("ModelSamplingAuraFlow", (400, 200), [3.1], size=(320, 58))
-    pos = g.add("CLIPTextEncode", (400, 300), [
-        "a cozy bookshop window at night, warm light, a hand-painted sign that reads \"Layerwise Offload\""],
-        size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
-    neg = g.add("CLIPTextEncode", (400, 500), [""], size=(400, 120), title="CLIP Text Encode (Negative Prompt)")
+    pos, neg = _prompt_pair(g, 400, 300, "a cozy bookshop window at night, warm light, a hand-painted sign that "
+                            "reads \"Layerwise Offload\"", "", negative_height=120)
     lat = g.add("EmptySD3LatentImage", (400, 660), [1328, 1328, 1], size=(320, 106))
     ks = g.add("KSampler", (860, 0), [42, "fixed", 20, 2.5, "euler", "simple", 1.0], size=(320, 262))
     dec = g.add("VAEDecode", (860, 320), [], size=(210, 46))
