@@ -24,6 +24,8 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..devtools.comfy_env import with_fields_this_comfyui_needs
+
 __all__ = ["Preset", "PRESETS", "build", "conditioning", "sample", "parse_blocks"]
 
 
@@ -144,7 +146,7 @@ def build(preset: "Preset | str", seed: int = 0, dtype: Optional[torch.dtype] = 
     preset = PRESETS[preset] if isinstance(preset, str) else preset
     mm, supported_models, model_patcher, _ = _comfy()
     cfg_cls = getattr(supported_models, preset.comfy_config)
-    unet_config = {**cfg_cls.unet_config, **preset.config_with_blocks(blocks)}
+    unet_config = with_fields_this_comfyui_needs({**cfg_cls.unet_config, **preset.config_with_blocks(blocks)})
     if not cfg_cls.matches(unet_config):
         raise AssertionError(f"{preset.comfy_config}.matches() rejects {unet_config}")
     model_config = cfg_cls(unet_config)

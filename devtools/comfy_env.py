@@ -36,6 +36,7 @@ __all__ = [
     "register_pack",
     "import_pack_modules",
     "import_comfyui",
+    "with_fields_this_comfyui_needs",
 ]
 
 PACK_NAME = "layerwise_offload"
@@ -178,3 +179,24 @@ def import_comfyui(path: Optional[PathLike] = None, *, cpu: bool = True, import_
             )
 
     return types.SimpleNamespace(path=comfy_dir, comfy=sys.modules["comfy"], args=args, nodes=comfy_nodes, **mods)
+
+
+#: Model-config fields that newer ComfyUIs require and older ones reject, per ``image_model``, with the value
+#: ComfyUI's own detector gives a checkpoint of that family: (module, params dataclass, {field: value}).
+_NEWER_REQUIRED_FIELDS = {
+    "flux": ("comfy.ldm.flux.model", "FluxParams", {"txt_ids_dims": []}),  # 0.14.1: Flux.1 has none
+    "hunyuan_video": ("comfy.ldm.hunyuan_video.model", "HunyuanVideoParams", {"meanflow_sum": False}),
+}
+
+
+def with_fields_this_comfyui_needs(unet_config: dict) -> dict:
+    """``unet_config`` plus the fields the imported ComfyUI's model classes need for its family (see
+    ``_NEWER_REQUIRED_FIELDS``), so one hand-written tiny config builds on 0.3.75 and on 0.14.1."""
+    import dataclasses
+
+    entry = _NEWER_REQUIRED_FIELDS.get(unet_config.get("image_model"))
+    if entry is None:
+        return unet_config
+    module_name, class_name, extras = entry
+    names = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module_name), class_name))}
+    return {**{k: v for k, v in extras.items() if k in names}, **unet_config}

@@ -104,6 +104,10 @@ def default_comfyui_path() -> Path:
 
 
 def default_python() -> str:
+    """This interpreter when it runs in a virtual environment (each tested ComfyUI has its own: .venv,
+    .venv-0.14.1), else the repository's .venv."""
+    if sys.prefix != sys.base_prefix:
+        return sys.executable
     venv = repo_root() / ".venv" / "bin" / "python"
     return str(venv) if venv.is_file() else sys.executable
 
@@ -179,8 +183,10 @@ class ComfyServer:
     def command(self) -> List[str]:
         cmd = [self.python, "main.py", "--listen", self.host, "--port", str(self.port), "--disable-auto-launch"]
         if self.use_base_arg:
-            # The default database lives in the ComfyUI checkout (user/comfyui.db); keep a test's in memory.
-            cmd += ["--base-directory", str(self.base_dir), "--database-url", "sqlite:///:memory:"]
+            # The default database lives in the ComfyUI checkout (user/comfyui.db); keep a test's in its base
+            # folder. Not sqlite:///:memory: -- ComfyUI 0.14.1's asset scanner then queries a table that the
+            # in-memory migration created on another connection.
+            cmd += ["--base-directory", str(self.base_dir), "--database-url", f"sqlite:///{self.base_dir}/comfyui.db"]
         if self.cpu:
             cmd.append("--cpu")
         return cmd + self.extra_args

@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .comfy_env import import_comfyui
+from .comfy_env import import_comfyui, with_fields_this_comfyui_needs
 
 __all__ = [
     "TinyFamily",
@@ -106,7 +106,7 @@ def _build(config_cls_name: str, unet_config: Dict[str, Any], seed: int, dtype: 
     env = import_comfyui()
     mm = env.model_management
     cfg_cls = getattr(env.supported_models, config_cls_name)
-    unet_config = {**cfg_cls.unet_config, **unet_config}
+    unet_config = with_fields_this_comfyui_needs({**cfg_cls.unet_config, **unet_config})
     if not cfg_cls.matches(unet_config):
         raise AssertionError(f"{config_cls_name}.matches() rejects the tiny config {unet_config}")
     model_config = cfg_cls(unet_config)

