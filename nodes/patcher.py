@@ -10,6 +10,7 @@ and having them thrown away. Clones of the output (a LoRA loader after this node
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Dict, Type
 
 import comfy.model_management
@@ -21,6 +22,15 @@ from .controller import OffloadController
 log = logging.getLogger("layerwise_offload")
 
 _SUBCLASSES: Dict[type, type] = {}
+
+
+def offload_weights_uuid(patches_uuid) -> uuid.UUID:
+    """What the model's ``current_weight_patches_uuid`` says after this pack placed it with these patches.
+
+    Never equal to a patcher's own ``patches_uuid``, so ComfyUI treats the weights as foreign and unpatches
+    them before loading a clone the ordinary way; the same for every offloaded output of those patches.
+    """
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"layerwise-offload:{patches_uuid}")
 
 
 def offload_patcher_class(base: type) -> Type:
@@ -51,19 +61,25 @@ class LayerwiseOffloadPatcherMixin:
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         controller = self.offload_controller
         with self.use_ejected(skip_and_inject_on_exit_only=True):
+            placed = offload_weights_uuid(self.patches_uuid)
             current_uuid = self.model.current_weight_patches_uuid
-            patches_changed = (current_uuid is not None and current_uuid != self.patches_uuid) or force_patch_weights
             before = self.model.model_loaded_weight_memory
-            if patches_changed:
-                # A LoRA was added, removed or changed: give the device back, let ComfyUI restore its
-                # unpatched weights, and bake the new patches below.
+            if current_uuid != placed or force_patch_weights:
+                # The weights are not what this offload placed with these patches: a fresh model, another
+                # LoRA, or ComfyUI's own (possibly partial) load of a sibling clone. Give the device back and
+                # let ComfyUI undo everything it did (LowVramPatch functions, pinned weights, LoRA backups)
+                # before the manager takes over; the new patches are baked below.
                 controller.release_device_memory()
-            self.unpatch_model(self.offload_device, unpatch_weights=patches_changed)
+                self.unpatch_model(self.offload_device, unpatch_weights=True)
+            else:
+                self.unpatch_model(self.offload_device, unpatch_weights=False)
             self.patch_model(load_weights=False)
             controller.place(self, device_to, extra_memory, loaded_before=before)
             self.model.model_lowvram = True
             self.model.device = device_to
-            self.model.current_weight_patches_uuid = self.patches_uuid
+            # Not self.patches_uuid: ComfyUI's own load of a sibling clone must see that the weights are not
+            # in a state it made (LoRA baked by us, not by its load()), and restore its backups first.
+            self.model.current_weight_patches_uuid = placed
             self.model.model_loaded_weight_memory = controller.loaded_bytes()
             controller.loaded_by = id(self)
             for callback in self.get_all_callbacks(CallbacksMP.ON_LOAD):

@@ -1,0 +1,84 @@
+"""The node in the states daily ComfyUI use leaves a model in (issue 13), in-process on the CPU loopback.
+
+Every output is bitwise equal to ComfyUI's own output for the same graph without the node, computed on a
+fresh model (no state shared with the graph under test).
+"""
+
+import pytest
+import torch
+
+import comfy.model_management as mm
+import comfy.sd
+
+from layerwise_offload.devtools import tiny_dits
+from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
+
+pytestmark = pytest.mark.usefixtures("comfy_loopback")
+
+
+def random_lora(patcher, seed, rank=2):
+    """A LoRA in the generic ``<key>.lora_up.weight`` format over the blocks' Linear weights and one non-block."""
+    generator = torch.Generator().manual_seed(seed)
+    lora = {}
+    for key, tensor in patcher.model.state_dict().items():
+        if not key.endswith(".weight") or tensor.ndim != 2:
+            continue
+        if ".blocks." not in key and "text_embedding" not in key:
+            continue
+        stem = key[:-len(".weight")]
+        lora[f"{stem}.lora_up.weight"] = 0.05 * torch.randn(tensor.shape[0], rank, generator=generator)
+        lora[f"{stem}.lora_down.weight"] = 0.05 * torch.randn(rank, tensor.shape[1], generator=generator)
+    return lora
+
+
+LORA = None
+
+
+def lora():
+    global LORA
+    if LORA is None:
+        LORA = random_lora(tiny_dits.build_tiny("wan21"), seed=7)
+    return LORA
+
+
+def with_lora(patcher, strength):
+    patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora(), strength, 0)
+    return patched
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """ComfyUI's own output for ``loader -> LoRA(strength) -> sampler`` on a fresh model (strength 0: no LoRA).
+
+    All computed before any graph under test runs: computing one unloads every model, which would hide the bug.
+    """
+    references = {}
+    for strength in (0, 0.5, 0.8):
+        model = tiny_dits.build_tiny("wan21")
+        references[strength] = tiny_dits.sample(with_lora(model, strength) if strength else model, seed=3)
+        mm.unload_all_models()
+    return references
+
+
+@pytest.mark.parametrize("resident", [0, 2])
+def test_plain_use_after_offloaded_use_with_a_lora(resident, reference):
+    """Issue 13 item 2: the LoRA'd MODEL without the node, right after the same MODEL ran through the node."""
+    model = tiny_dits.build_tiny("wan21")
+    lora_model = with_lora(model, 0.8)
+    offloaded = offload_model(lora_model, resident, 1, "leading", True)
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), reference[0.8])
+    assert torch.equal(tiny_dits.sample(lora_model, seed=3), reference[0.8])
+    assert torch.equal(tiny_dits.sample(model, seed=3), reference[0])
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), reference[0.8])
+    assert torch.equal(tiny_dits.sample(lora_model, seed=3), reference[0.8])
+
+
+def test_lora_strength_changed_between_an_offloaded_and_a_plain_prompt(reference):
+    """The server keeps each loader's output: the same LoRA'd MODELs come back in later prompts."""
+    model = tiny_dits.build_tiny("wan21")
+    strong, weak = with_lora(model, 0.8), with_lora(model, 0.5)
+    for offloaded, plain in [(strong, weak), (weak, strong), (strong, weak)]:
+        assert torch.equal(tiny_dits.sample(offload_model(offloaded, 2, 1, "leading", True), seed=3),
+                           reference[0.8 if offloaded is strong else 0.5])
+        assert torch.equal(tiny_dits.sample(plain, seed=3), reference[0.8 if plain is strong else 0.5])
