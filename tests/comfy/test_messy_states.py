@@ -82,3 +82,41 @@ def test_lora_strength_changed_between_an_offloaded_and_a_plain_prompt(reference
         assert torch.equal(tiny_dits.sample(offload_model(offloaded, 2, 1, "leading", True), seed=3),
                            reference[0.8 if offloaded is strong else 0.5])
         assert torch.equal(tiny_dits.sample(plain, seed=3), reference[0.8 if plain is strong else 0.5])
+
+
+@pytest.fixture
+def comfy_pinning(monkeypatch):
+    """ComfyUI's pin/unpin of CPU weights, recorded instead of calling cudaHostRegister (the GPU is faked)."""
+    registered = {}
+
+    def pin(tensor):
+        if tensor.device.type != "cpu" or tensor.data_ptr() in registered:
+            return False
+        registered[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return True
+
+    def unpin(tensor):
+        return registered.pop(tensor.data_ptr(), None) is not None
+
+    monkeypatch.setattr(mm, "pin_memory", pin)
+    monkeypatch.setattr(mm, "unpin_memory", unpin)
+    return registered
+
+
+def lowvram_functions(patcher):
+    return [m for m in patcher.model.modules() if getattr(m, "weight_function", None) or getattr(m, "bias_function", None)]
+
+
+def test_taking_over_a_model_comfyui_loaded_in_lowvram_mode(reference, comfy_pinning):
+    """Issue 13 item 3: ComfyUI loaded the LoRA'd model partially (LowVramPatch on the modules, weights pinned),
+    then the node is inserted after the LoRA loader."""
+    model = tiny_dits.build_tiny("wan21")
+    lora_model = with_lora(model, 0.8)
+    lora_model.patch_model(lowvram_model_memory=1)  # ComfyUI's partial load with a tiny budget: every weight lowvram
+    assert lowvram_functions(lora_model) and lora_model.pinned and comfy_pinning
+    offloaded = offload_model(lora_model, 2, 1, "leading", True)
+    for _ in range(2):
+        assert torch.equal(tiny_dits.sample(offloaded, seed=3), reference[0.8])
+    assert not lowvram_functions(offloaded)
+    assert not lora_model.pinned and not comfy_pinning  # unpinned through ComfyUI, nothing stale
+    assert torch.equal(tiny_dits.sample(lora_model, seed=3), reference[0.8])
