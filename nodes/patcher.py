@@ -128,9 +128,24 @@ def apply_model_wrapper(executor, *args, **kwargs):
         return executor(*args, **kwargs)
 
 
+WEIGHT_HOOKS_REFUSED = (
+    "[layerwise-offload] this sampler's conditioning carries ComfyUI weight hooks (Create Hook LoRA, Create Hook "
+    "LoRA (MO), hook keyframes, per-conditioning LoRA); they rewrite weights in place during sampling, which the "
+    "offload's host copy and streaming slots cannot follow, so the output would be silently wrong. Apply the LoRA to "
+    "the MODEL with Load LoRA (LoraLoaderModelOnly), before or after Layerwise Offload, or sample this conditioning "
+    "without Layerwise Offload")
+
+
+def refuse_weight_hooks(patcher, *args) -> None:
+    """ComfyUI's hooks patch weights in place per conditioning group: refuse them before anything runs."""
+    if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None):
+        raise RuntimeError(WEIGHT_HOOKS_REFUSED)
+
+
 def on_pre_run(patcher):
     controller = patcher.attachments.get(LayerwiseOffloadPatcherMixin.ATTACHMENT)
     if controller is not None:
+        refuse_weight_hooks(patcher)
         controller.begin_run(patcher)
 
 
@@ -140,14 +155,22 @@ def on_cleanup(patcher):
         controller.end_run(patcher)
 
 
+_CALLBACKS = ((CallbacksMP.ON_PRE_RUN, on_pre_run), (CallbacksMP.ON_CLEANUP, on_cleanup),
+              (CallbacksMP.ON_REGISTER_ALL_HOOK_PATCHES, refuse_weight_hooks))
+
+
 def make_offloaded_clone(model, controller: OffloadController):
     patcher = model.clone()
     patcher.__class__ = offload_patcher_class(type(patcher))
-    patcher.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT] = controller
     key = LayerwiseOffloadPatcherMixin.ATTACHMENT
+    patcher.attachments[key] = controller
+    # The node applied again down the chain replaces its own wrapper and callbacks instead of adding a second set
+    # (which would run every forward through the manager twice).
+    patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, key)
     patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, key, apply_model_wrapper)
-    patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, key, on_pre_run)
-    patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, key, on_cleanup)
+    for call_type, callback in _CALLBACKS:
+        patcher.remove_callbacks_with_key(call_type, key)
+        patcher.add_callback_with_key(call_type, key, callback)
     return patcher
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import comfy.model_management as mm
+import comfy.patcher_extension
 import comfy.sd
 
 from layerwise_offload.devtools import tiny_dits
@@ -120,3 +121,40 @@ def test_taking_over_a_model_comfyui_loaded_in_lowvram_mode(reference, comfy_pin
     assert not lowvram_functions(offloaded)
     assert not lora_model.pinned and not comfy_pinning  # unpinned through ComfyUI, nothing stale
     assert torch.equal(tiny_dits.sample(lora_model, seed=3), reference[0.8])
+
+
+def hooked_conditioning(strength=0.8):
+    """The tiny Wan's conditioning with a hooked LoRA on the positive, as Create Hook LoRA (MO) + Set Hooks make it."""
+    import comfy.hooks
+    positive, negative = tiny_dits.TINY_FAMILIES["wan21"].conditioning(3)
+    hooks = comfy.hooks.create_hook_lora(lora(), strength_model=strength, strength_clip=0.0)
+    return comfy.hooks.set_hooks_for_conditioning(positive, hooks), negative
+
+
+def test_weight_hooks_are_refused_before_the_run(reference):
+    """Issue 13 item 4: ComfyUI's hooks write weights in place; the node refuses them with an error saying what to use."""
+    model = tiny_dits.build_tiny("wan21")
+    positive, negative = hooked_conditioning()
+    hooked_plain = tiny_dits.sample(model, seed=3, positive=positive, negative=negative)  # ComfyUI without the node
+    assert not torch.equal(hooked_plain, reference[0])  # the hook really changes the output
+    offloaded = offload_model(model, 2, 1, "leading", True)
+    manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
+    with pytest.raises(RuntimeError, match=r"(?s)hooks.*LoraLoaderModelOnly"):
+        tiny_dits.sample(offloaded, seed=3, positive=positive, negative=negative)
+    assert manager.stats().forwards == 0 and manager.device_bytes() == 0  # refused before anything ran or was held
+    # Nothing stays behind: the same model samples right afterwards, with the node and without it.
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), reference[0])
+    assert torch.equal(tiny_dits.sample(model, seed=3, positive=positive, negative=negative), hooked_plain)
+
+
+def test_the_node_twice_in_a_chain_runs_each_forward_once(reference):
+    """Issue 13 item 6: a second LayerwiseOffload after the first replaces its wrapper and callbacks."""
+    once = offload_model(tiny_dits.build_tiny("wan21"), 1, 1, "leading", True)
+    twice = offload_model(once, 2, 1, "strided", True)
+    key = LayerwiseOffloadPatcherMixin.ATTACHMENT
+    assert len(twice.get_wrappers(comfy.patcher_extension.WrappersMP.APPLY_MODEL, key)) == 1
+    controller = twice.attachments[key]
+    assert torch.equal(tiny_dits.sample(twice, seed=3), reference[0])
+    stats = controller.manager.stats()
+    assert controller.last_report.forwards == stats.forwards == 4  # 4 steps, cond and uncond in one batch
+    assert stats.copies_last_forward == 2  # the second node's plan: 2 of 4 resident

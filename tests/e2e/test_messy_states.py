@@ -6,6 +6,8 @@ right after the server dropped its cache and unloaded every model (a fresh refer
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import safetensors.torch
 import torch
@@ -115,3 +117,12 @@ def test_offloaded_and_plain_branches_of_one_lora_model_in_one_prompt(comfy_serv
         files = comfy_server.output_files({"outputs": {node: entry["outputs"][node]}}, "latents")
         latent = safetensors.torch.load_file(str(files[0]))["latent_tensor"]
         assert torch.equal(latent, references[0.8]), node
+
+
+def test_a_wrong_residency_policy_is_rejected_when_queued(comfy_server, lora_file):
+    """Issue 13 item 6: a validation error naming the input, not an execution error after loading the model."""
+    with pytest.raises(PromptRejected) as rejected:
+        comfy_server.queue_prompt(lora_prompt(0.8, offload={"residency_policy": "sideways"}))
+    errors = rejected.value.body["node_errors"]["10"]["errors"]
+    assert any(e["extra_info"].get("input_name") == "residency_policy" and "sideways" in json.dumps(e)
+               for e in errors), errors
