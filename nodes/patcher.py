@@ -132,8 +132,8 @@ WEIGHT_HOOKS_REFUSED = (
     "[layerwise-offload] this sampler's conditioning carries ComfyUI weight hooks (Create Hook LoRA, Create Hook "
     "LoRA (MO), hook keyframes, per-conditioning LoRA); they rewrite weights in place during sampling, which the "
     "offload's host copy and streaming slots cannot follow, so the output would be silently wrong. Apply the LoRA to "
-    "the MODEL with Load LoRA (LoraLoaderModelOnly), before or after Layerwise Offload, or sample this conditioning "
-    "without Layerwise Offload")
+    "the MODEL with a LoRA loader node (LoraLoaderModelOnly or LoraLoader) before or after Layerwise Offload, or "
+    "sample this conditioning without Layerwise Offload")
 
 
 def refuse_weight_hooks(patcher, *args) -> None:

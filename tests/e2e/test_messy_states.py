@@ -13,7 +13,7 @@ import safetensors.torch
 import torch
 
 from layerwise_offload.devtools import e2e_assets, tiny_dits
-from layerwise_offload.devtools.server import PromptRejected
+from layerwise_offload.devtools.server import PromptRejected, execution_error
 
 LORA_NAME = "layerwise_offload_tiny_wan21_lora.safetensors"
 NODE = "LayerwiseOffload"
@@ -126,3 +126,26 @@ def test_a_wrong_residency_policy_is_rejected_when_queued(comfy_server, lora_fil
     errors = rejected.value.body["node_errors"]["10"]["errors"]
     assert any(e["extra_info"].get("input_name") == "residency_policy" and "sideways" in json.dumps(e)
                for e in errors), errors
+
+
+def hooked_lora_prompt(offload, prefix):
+    """The plain graph (no LoRA loader) with Create Hook LoRA (MO) set on the positive conditioning."""
+    prompt = lora_prompt(0.8, offload=offload, prefix=prefix)
+    del prompt["5"]
+    prompt["10" if offload is not None else "6"]["inputs"]["model"] = ["1", 0]
+    prompt["20"] = {"class_type": "CreateHookLoraModelOnly", "inputs": {"lora_name": LORA_NAME, "strength_model": 0.8}}
+    prompt["21"] = {"class_type": "ConditioningSetProperties", "inputs": {
+        "cond_NEW": ["2", 1], "strength": 1.0, "set_cond_area": "default", "hooks": ["20", 0]}}
+    prompt["6"]["inputs"]["positive"] = ["21", 0]
+    return prompt
+
+
+def test_a_hooked_lora_is_refused_with_an_error_and_the_server_runs_on(comfy_server, references):
+    """Issue 13 item 4 through the server: never a silently wrong latent."""
+    latent_of(comfy_server, hooked_lora_prompt(None, "e2e/messy_hooked_plain"))  # ComfyUI alone runs the hooks
+    entry = comfy_server.run_prompt(hooked_lora_prompt({}, "e2e/messy_hooked_offloaded"), check=False)
+    assert entry["status"]["status_str"] == "error"
+    error = execution_error(entry)
+    assert "weight hooks" in error["exception_message"] and "LoraLoaderModelOnly" in error["exception_message"], error
+    assert torch.equal(latent_of(comfy_server, lora_prompt(0.8, offload={}, prefix="e2e/messy_after_hooks")),
+                       references[0.8])
