@@ -66,11 +66,12 @@ class LayerwiseOffloadPatcherMixin:
             before = self.model.model_loaded_weight_memory
             if current_uuid != placed or force_patch_weights:
                 # The weights are not what this offload placed with these patches: a fresh model, another
-                # LoRA, or ComfyUI's own (possibly partial) load of a sibling clone. Give the device back and
-                # let ComfyUI undo everything it did (LowVramPatch functions, pinned weights, LoRA backups)
-                # before the manager takes over; the new patches are baked below.
-                controller.release_device_memory()
+                # LoRA, or ComfyUI's own (possibly partial) load of a sibling clone. ComfyUI undoes everything it
+                # did (LowVramPatch functions, pinned weights, LoRA backups) while the weights are still the ones
+                # it knows; only then does the manager give the device back and re-point its blocks. The new
+                # patches are baked below.
                 self.unpatch_model(self.offload_device, unpatch_weights=True)
+                controller.release_device_memory()
             else:
                 self.unpatch_model(self.offload_device, unpatch_weights=False)
             self.patch_model(load_weights=False)

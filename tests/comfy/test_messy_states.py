@@ -4,6 +4,8 @@ Every output is bitwise equal to ComfyUI's own output for the same graph without
 fresh model (no state shared with the graph under test).
 """
 
+import functools
+
 import pytest
 import torch
 
@@ -33,14 +35,9 @@ def random_lora(patcher, seed, rank=2):
     return lora
 
 
-LORA = None
-
-
+@functools.lru_cache(maxsize=None)
 def lora():
-    global LORA
-    if LORA is None:
-        LORA = random_lora(tiny_dits.build_tiny("wan21"), seed=7)
-    return LORA
+    return random_lora(tiny_dits.build_tiny("wan21"), seed=7)
 
 
 def with_lora(patcher, strength):
@@ -158,3 +155,16 @@ def test_the_node_twice_in_a_chain_runs_each_forward_once(reference):
     stats = controller.manager.stats()
     assert controller.last_report.forwards == stats.forwards == 4  # 4 steps, cond and uncond in one batch
     assert stats.copies_last_forward == 2  # the second node's plan: 2 of 4 resident
+
+
+def test_taking_back_a_model_comfyui_loaded_partially_after_the_node(reference, comfy_pinning):
+    """The node ran (residents held), then ComfyUI loaded the plain LoRA'd MODEL partially (pinning the weights the
+    blocks had), then the node runs again: ComfyUI unpins what it pinned before the manager re-points anything."""
+    lora_model = with_lora(tiny_dits.build_tiny("wan21"), 0.8)
+    offloaded = offload_model(lora_model, 2, 1, "leading", True)
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), reference[0.8])
+    # ComfyUI's own partial load with a budget of 1 byte (it counts what the model holds now as its own).
+    lora_model.partially_load(mm.get_torch_device(), extra_memory=1 - lora_model.model.model_loaded_weight_memory)
+    assert lowvram_functions(lora_model) and comfy_pinning
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), reference[0.8])
+    assert not lowvram_functions(offloaded) and not lora_model.pinned and not comfy_pinning
