@@ -70,6 +70,13 @@ def offload_stats_text(model) -> str:
     return f"{controller.last_report.figures()}\n{controller.last_recommendation}"
 
 
+def residency_policy_problem(value) -> "str | None":
+    """Why ``value`` is not a residency policy (for ComfyUI's validation when the prompt is queued), or None."""
+    if value is None or value in POLICIES:  # None: fed by a link, checked when the node runs
+        return None
+    return f"residency_policy must be one of {', '.join(map(repr, POLICIES))}, got {value!r}"
+
+
 def cpu_loopback_requested() -> bool:
     return os.environ.get(CPU_LOOPBACK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
@@ -100,5 +107,5 @@ def offload_model(model, resident_layers=0, prefetch_size=1, residency_policy="l
     return make_offloaded_clone(model, controller)
 
 
-__all__ = ["offload_model", "offload_stats_text", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
+__all__ = ["offload_model", "offload_stats_text", "residency_policy_problem", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
            "POLICIES", "CPU_LOOPBACK_ENV"]

@@ -10,6 +10,7 @@ and having them thrown away. Clones of the output (a LoRA loader after this node
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Dict, Type
 
 import comfy.model_management
@@ -21,6 +22,15 @@ from .controller import OffloadController
 log = logging.getLogger("layerwise_offload")
 
 _SUBCLASSES: Dict[type, type] = {}
+
+
+def offload_weights_uuid(patches_uuid) -> uuid.UUID:
+    """What the model's ``current_weight_patches_uuid`` says after this pack placed it with these patches.
+
+    Never equal to a patcher's own ``patches_uuid``, so ComfyUI treats the weights as foreign and unpatches
+    them before loading a clone the ordinary way; the same for every offloaded output of those patches.
+    """
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"layerwise-offload:{patches_uuid}")
 
 
 def offload_patcher_class(base: type) -> Type:
@@ -51,19 +61,26 @@ class LayerwiseOffloadPatcherMixin:
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         controller = self.offload_controller
         with self.use_ejected(skip_and_inject_on_exit_only=True):
+            placed = offload_weights_uuid(self.patches_uuid)
             current_uuid = self.model.current_weight_patches_uuid
-            patches_changed = (current_uuid is not None and current_uuid != self.patches_uuid) or force_patch_weights
             before = self.model.model_loaded_weight_memory
-            if patches_changed:
-                # A LoRA was added, removed or changed: give the device back, let ComfyUI restore its
-                # unpatched weights, and bake the new patches below.
+            if current_uuid != placed or force_patch_weights:
+                # The weights are not what this offload placed with these patches: a fresh model, another
+                # LoRA, or ComfyUI's own (possibly partial) load of a sibling clone. ComfyUI undoes everything it
+                # did (LowVramPatch functions, pinned weights, LoRA backups) while the weights are still the ones
+                # it knows; only then does the manager give the device back and re-point its blocks. The new
+                # patches are baked below.
+                self.unpatch_model(self.offload_device, unpatch_weights=True)
                 controller.release_device_memory()
-            self.unpatch_model(self.offload_device, unpatch_weights=patches_changed)
+            else:
+                self.unpatch_model(self.offload_device, unpatch_weights=False)
             self.patch_model(load_weights=False)
             controller.place(self, device_to, extra_memory, loaded_before=before)
             self.model.model_lowvram = True
             self.model.device = device_to
-            self.model.current_weight_patches_uuid = self.patches_uuid
+            # Not self.patches_uuid: ComfyUI's own load of a sibling clone must see that the weights are not
+            # in a state it made (LoRA baked by us, not by its load()), and restore its backups first.
+            self.model.current_weight_patches_uuid = placed
             self.model.model_loaded_weight_memory = controller.loaded_bytes()
             controller.loaded_by = id(self)
             for callback in self.get_all_callbacks(CallbacksMP.ON_LOAD):
@@ -112,9 +129,24 @@ def apply_model_wrapper(executor, *args, **kwargs):
         return executor(*args, **kwargs)
 
 
+WEIGHT_HOOKS_REFUSED = (
+    "[layerwise-offload] this sampler's conditioning carries ComfyUI weight hooks (Create Hook LoRA, Create Hook "
+    "LoRA (MO), hook keyframes, per-conditioning LoRA); they rewrite weights in place during sampling, which the "
+    "offload's host copy and streaming slots cannot follow, so the output would be silently wrong. Apply the LoRA to "
+    "the MODEL with a LoRA loader node (LoraLoaderModelOnly or LoraLoader) before or after Layerwise Offload, or "
+    "sample this conditioning without Layerwise Offload")
+
+
+def refuse_weight_hooks(patcher, *args) -> None:
+    """ComfyUI's hooks patch weights in place per conditioning group: refuse them before anything runs."""
+    if getattr(patcher, "hook_patches", None) or getattr(patcher, "forced_hooks", None):
+        raise RuntimeError(WEIGHT_HOOKS_REFUSED)
+
+
 def on_pre_run(patcher):
     controller = patcher.attachments.get(LayerwiseOffloadPatcherMixin.ATTACHMENT)
     if controller is not None:
+        refuse_weight_hooks(patcher)
         controller.begin_run(patcher)
 
 
@@ -124,14 +156,22 @@ def on_cleanup(patcher):
         controller.end_run(patcher)
 
 
+_CALLBACKS = ((CallbacksMP.ON_PRE_RUN, on_pre_run), (CallbacksMP.ON_CLEANUP, on_cleanup),
+              (CallbacksMP.ON_REGISTER_ALL_HOOK_PATCHES, refuse_weight_hooks))
+
+
 def make_offloaded_clone(model, controller: OffloadController):
     patcher = model.clone()
     patcher.__class__ = offload_patcher_class(type(patcher))
-    patcher.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT] = controller
     key = LayerwiseOffloadPatcherMixin.ATTACHMENT
+    patcher.attachments[key] = controller
+    # The node applied again down the chain replaces its own wrapper and callbacks instead of adding a second set
+    # (which would run every forward through the manager twice).
+    patcher.remove_wrappers_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, key)
     patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, key, apply_model_wrapper)
-    patcher.add_callback_with_key(CallbacksMP.ON_PRE_RUN, key, on_pre_run)
-    patcher.add_callback_with_key(CallbacksMP.ON_CLEANUP, key, on_cleanup)
+    for call_type, callback in _CALLBACKS:
+        patcher.remove_callbacks_with_key(call_type, key)
+        patcher.add_callback_with_key(call_type, key, callback)
     return patcher
 
 

@@ -6,7 +6,7 @@ from comfy_api.latest import ComfyExtension, io, ui
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
                            MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, offload_model, offload_stats_text)
+                           STATS_TOOLTIPS, TOOLTIPS, offload_model, offload_stats_text, residency_policy_problem)
 
 
 class LayerwiseOffload(io.ComfyNode):
@@ -29,6 +29,12 @@ class LayerwiseOffload(io.ComfyNode):
             ],
             outputs=[io.Model.Output(tooltip="The same model with its transformer blocks offloaded.")],
         )
+
+    @classmethod
+    def validate_inputs(cls, residency_policy=None) -> bool | str:
+        # ComfyUI 0.3.75 does not check V3 combo values itself; a wrong one must fail when queued, not mid-run.
+        # Only this input is named, so ComfyUI still checks the others' types and limits.
+        return residency_policy_problem(residency_policy) or True
 
     @classmethod
     def execute(cls, model, resident_layers, prefetch_size, residency_policy, pin_memory) -> io.NodeOutput:
