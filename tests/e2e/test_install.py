@@ -10,6 +10,7 @@ touch torch), and let ComfyUI 0.3.75 import the folder in a child process exactl
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -157,3 +158,18 @@ def test_comfyui_imports_the_cloned_pack(manager_install):
     assert Path(result["loaded_dirs"][PACK_FOLDER]) == dest
     # ComfyUI imported it as a package named after its path; the pack root never went on sys.path.
     assert str(dest) not in result["sys_path"]
+
+
+def test_the_test_suite_runs_in_a_clone_named_like_the_repository(manager_install):
+    # `git clone` names the folder `layerwise-offload`, not a Python identifier: pytest must not import the root
+    # __init__.py as a package there (it did, and every ComfyUI test errored). A test that imports ComfyUI is
+    # enough to show it; the clone has no .comfyui, so it uses this session's ComfyUI.
+    _, dest = manager_install
+    assert dest.name == "layerwise-offload"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env["COMFYUI_PATH"] = str(default_comfyui_path())
+    r = subprocess.run([default_python(), "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/e2e/test_install.py", "-k", "comfyui_parses_the_pyproject or license"],
+                       cwd=str(dest), env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "2 passed" in r.stdout, r.stdout[-2000:]
