@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -163,9 +164,8 @@ def test_templates_dialog_lists_the_pack_and_loads_the_tiny_demo(page):
     assert _broken_nodes(page) == []
 
 
-def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
-    _close_dialogs(page)
-    _load(page, json.loads(TINY.read_text()), TINY.stem)
+def _run_from_page(page, comfy_server) -> dict:
+    """Press the page's Run button and return the /history entry of the prompt it queued."""
     before = set(comfy_server.get_json("/api/history"))
     page.get_by_role("button", name="Run", exact=True).first.click()
     deadline = time.monotonic() + 120
@@ -174,7 +174,27 @@ def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
         new = [k for k in comfy_server.get_json("/api/history") if k not in before]
         time.sleep(0.25)
     assert new, "the Run button queued nothing"
-    entry = comfy_server.wait_for(new[0], timeout=120)
+    return comfy_server.wait_for(new[0], timeout=120)
+
+
+# Text boxes a person can see (on screen, not hidden) and what they show.
+_VISIBLE_TEXT_BOXES = """() => [...document.querySelectorAll('textarea')].filter(t => {
+        const r = t.getBoundingClientRect(), s = getComputedStyle(t);
+        return r.width > 20 && r.height > 20 && r.bottom > 0 && r.right > 0 && r.top < innerHeight
+            && r.left < innerWidth && s.visibility !== 'hidden' && s.display !== 'none' && +s.opacity > 0;
+    }).map(t => t.value)"""
+
+
+def _stats_text_on_page(page) -> str:
+    page.wait_for_function(f"() => ({_VISIBLE_TEXT_BOXES})().some(v => v.includes('blocks resident'))",
+                           timeout=30_000)
+    return next(v for v in page.evaluate(_VISIBLE_TEXT_BOXES) if "blocks resident" in v)
+
+
+def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
+    _close_dialogs(page)
+    _load(page, json.loads(TINY.read_text()), TINY.stem)
+    entry = _run_from_page(page, comfy_server)
     _shot(page, "tiny_demo_after_run")
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
     prompt = entry["prompt"][2]
@@ -184,3 +204,25 @@ def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
     page.wait_for_function("""() => [...document.querySelectorAll('img')]
         .some(i => i.src.includes('/view') && i.src.includes('tiny_wan21'))""", timeout=30_000)
     _shot(page, "tiny_demo")
+    # ... and the stats node shows its report (web/js/stats_text.js): the same text the server sent.
+    text = _stats_text_on_page(page)
+    stats_ui = [o["text"][0] for o in entry["outputs"].values() if "text" in o]
+    assert stats_ui == [text]
+    assert "2/4 blocks resident" in text and re.search(r"\d+(\.\d+)? GB/s", text), text
+    _shot(page, "stats_node_classic")
+
+
+def test_stats_text_is_drawn_in_nodes_2_0(page, comfy_server):
+    set_vue = "async (on) => { await window.app.extensionManager.setting.set('Comfy.VueNodes.Enabled', on); }"
+    page.evaluate(set_vue, True)
+    try:
+        _close_dialogs(page)
+        _load(page, json.loads(TINY.read_text()), TINY.stem)
+        page.wait_for_selector("[data-node-id]", timeout=15_000)  # Vue nodes are DOM elements
+        entry = _run_from_page(page, comfy_server)
+        assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
+        text = _stats_text_on_page(page)
+        assert "blocks resident" in text and re.search(r"\d+(\.\d+)? GB/s", text), text
+        _shot(page, "stats_node_nodes2")
+    finally:
+        page.evaluate(set_vue, False)
