@@ -256,6 +256,8 @@ class ComfyServer:
     def request(self, method: str, path: str, body: Any = None, timeout: float = 30.0):
         """``(status, parsed JSON or bytes)`` for ``method path``; HTTP errors are returned, not raised."""
         data = None if body is None else json.dumps(body).encode()
+        # Template names have spaces and commas; an already quoted path stays as it is.
+        path = urllib.parse.quote(path, safe="/?&=%:@+")
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"} if data is not None else {})
         try:
@@ -339,7 +341,7 @@ def smoke(base_dir: Optional[PathLike] = None, workflow: Optional[PathLike] = No
     stop the server, and return ``{"url", "outputs", "seconds"}``. Raises on any failure (with the log tail)."""
     from .workflow_api import validate_workflow, workflow_to_prompt  # relative: run as a module or by path
 
-    workflow = Path(workflow) if workflow else repo_root() / "workflows" / "layerwise_offload_tiny_wan21_demo.json"
+    workflow = Path(workflow) if workflow else next((repo_root() / "workflows").glob("Tiny demo*.json"))
     wf = json.loads(Path(workflow).read_text(encoding="utf-8"))
     srv = ComfyServer(base_dir, cpu=cpu, env={"LAYERWISE_OFFLOAD_CPU_LOOPBACK": "1"}, comfyui_path=comfyui_path)
     t0 = time.monotonic()
@@ -362,7 +364,7 @@ def _main(argv: Optional[Iterable[str]] = None) -> int:
     sp.add_argument("--base", required=True)
     sp.add_argument("--port", type=int, default=None)
     sp.add_argument("--gpu", action="store_true", help="do not pass --cpu")
-    sm = sub.add_parser("smoke", help="start a server, run workflows/layerwise_offload_tiny_wan21_demo.json, stop")
+    sm = sub.add_parser("smoke", help="start a server, run the tiny demo workflow, stop")
     sm.add_argument("--base", default=None, help="base directory (default: ComfyUI's own folders)")
     sm.add_argument("--comfyui", default=None, help="ComfyUI folder (default: $COMFYUI_PATH or .comfyui/ComfyUI)")
     sm.add_argument("--gpu", action="store_true", help="do not pass --cpu")
