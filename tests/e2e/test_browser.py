@@ -30,6 +30,8 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 NODE = "LayerwiseOffload"
 DISPLAY = "Layerwise Offload (DiT)"
 PACK_FOLDER = "layerwise-offload"
+# Rewrite the committed pictures (template thumbnails, docs/) from this run.
+UPDATE_PICTURES = os.environ.get("LAYERWISE_OFFLOAD_UPDATE_PICTURES") == "1"
 # The canvas below the frontend's top bars, right of its sidebar (viewport 1600x1000).
 THUMBNAIL_CLIP = {"x": 60, "y": 130, "width": 1120, "height": 840}
 
@@ -45,7 +47,7 @@ def _shot(page, name: str) -> None:
 
 def _thumbnail(page, workflow: Path) -> Path:
     """The loaded graph as the template browser's thumbnail (<name>.jpg, 4:3). It goes to artifacts/thumbnails/;
-    with LAYERWISE_OFFLOAD_UPDATE_THUMBNAILS=1 also beside the workflow, where ComfyUI serves it."""
+    with LAYERWISE_OFFLOAD_UPDATE_PICTURES=1 also beside the workflow, where ComfyUI serves it."""
     from PIL import Image
 
     out = ARTIFACTS / "thumbnails" / f"{workflow.stem}.jpg"
@@ -58,8 +60,24 @@ def _thumbnail(page, workflow: Path) -> Path:
     with Image.open(out.with_suffix(".png")) as im:
         im.convert("RGB").resize((480, 360), Image.LANCZOS).save(out, quality=82, optimize=True)
     out.with_suffix(".png").unlink()
-    if os.environ.get("LAYERWISE_OFFLOAD_UPDATE_THUMBNAILS") == "1":
+    if UPDATE_PICTURES:
         shutil.copyfile(out, workflow.with_suffix(".jpg"))
+    return out
+
+
+def _picture(page, name: str, scale: float, origin, size) -> Path:
+    """A README picture: the graph from ``origin`` (graph units) at ``scale``, ``size`` screen pixels. It goes to
+    artifacts/docs/; with LAYERWISE_OFFLOAD_UPDATE_PICTURES=1 also to docs/."""
+    x0, y0 = 70, 140  # below the top bars and the workflow name, right of the sidebar
+    page.evaluate("""([s, gx, gy, x0, y0]) => { const c = window.app.canvas; c.show_info = false; c.ds.scale = s;
+        c.ds.offset = [x0 / s - gx, y0 / s - gy]; c.setDirty(true, true); }""", [scale, *origin, x0, y0])
+    page.wait_for_timeout(400)  # DOM widgets (the stats text) follow the next frame
+    out = ARTIFACTS / "docs" / f"{name}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(out), clip={"x": x0, "y": y0, "width": size[0], "height": size[1]})
+    if UPDATE_PICTURES:
+        (REPO / "docs").mkdir(exist_ok=True)
+        shutil.copyfile(out, REPO / "docs" / out.name)
     return out
 
 
@@ -221,6 +239,9 @@ def _stats_text_on_page(page) -> str:
 def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
     _close_dialogs(page)
     _load(page, json.loads(TINY.read_text()), TINY.stem)
+    # As a user would try next: 2 of the 4 blocks resident instead of auto, so 2 stream.
+    page.evaluate("""() => window.app.graph._nodes.find(n => n.type === 'LayerwiseOffload')
+        .widgets.find(w => w.name === 'resident_layers').value = 2""")
     entry = _run_from_page(page, comfy_server)
     _shot(page, "tiny_demo_after_run")
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
@@ -235,8 +256,10 @@ def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
     text = _stats_text_on_page(page)
     stats_ui = [o["text"][0] for o in entry["outputs"].values() if "text" in o]
     assert stats_ui == [text]
-    assert re.search(r"\d/4 blocks resident", text) and re.search(r"\d+(\.\d+)? GB/s", text), text
+    assert "2/4 blocks resident" in text and re.search(r"\d+(\.\d+)? GB/s", text), text
     _shot(page, "stats_node_classic")
+    _picture(page, "demo_after_run", 0.8, (-10, -40), (1330, 600))
+    _picture(page, "stats_node", 1.2, (790, 380), (560, 240))
 
 
 def test_stats_text_is_drawn_in_nodes_2_0(page, comfy_server):

@@ -99,7 +99,7 @@ def test_wan22_runs_each_expert_through_its_own_offload_and_sampler():
 def test_template_has_its_thumbnail_served(path, comfy_server):
     # The template browser shows <name>.jpg from beside the workflow (made by tests/e2e/test_browser.py).
     thumb = path.with_suffix(".jpg")
-    assert thumb.is_file(), f"no thumbnail {thumb.name}: LAYERWISE_OFFLOAD_UPDATE_THUMBNAILS=1 pytest test_browser.py"
+    assert thumb.is_file(), f"no thumbnail {thumb.name}: LAYERWISE_OFFLOAD_UPDATE_PICTURES=1 pytest tests/e2e/test_browser.py"
     data = thumb.read_bytes()
     assert data[:3] == b"\xff\xd8\xff" and 5_000 < len(data) < 120_000, (thumb.name, len(data))
     status, body = comfy_server.request("GET", f"/api/workflow_templates/{PACK_FOLDER}/{thumb.name}")
