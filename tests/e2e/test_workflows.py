@@ -104,3 +104,14 @@ def test_template_has_its_thumbnail_served(path, comfy_server):
     assert data[:3] == b"\xff\xd8\xff" and 5_000 < len(data) < 120_000, (thumb.name, len(data))
     status, body = comfy_server.request("GET", f"/api/workflow_templates/{PACK_FOLDER}/{thumb.name}")
     assert status == 200 and body == data
+
+
+def test_readme_memory_table_is_what_the_planner_prints(capsys):
+    # README's "Memory per template" table is devtools/template_memory.py's output: regenerate it when either the
+    # planner or the templates change.
+    from layerwise_offload.devtools import template_memory
+
+    template_memory.main([])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(table) == 7 and all(line in readme for line in table), "\n".join(table)
