@@ -47,7 +47,7 @@ def _templates(presets) -> List[Template]:
     hunyuan = dict(image_model="hunyuan_video", in_channels=16, out_channels=16, patch_size=[1, 2, 2],
                    vec_in_dim=768, axes_dim=[16, 56, 56], meanflow=False, context_in_dim=4096, hidden_size=3072,
                    mlp_ratio=4.0, num_heads=24, depth=20, depth_single_blocks=40, theta=256, qkv_bias=True,
-                   byt5=False, guidance_embed=True, use_cond_type_embedding=False, vision_in_dim=None)
+                   byt5=False, guidance_embed=True)
     return [
         Template("Flux.1 dev, 1024x1024", "Flux", {**presets.FLUX_DEV, "depth": 19, "depth_single_blocks": 38},
                  2, (1, 16, 128, 128), 1, 1, 9.79 + 0.25 + 0.34),
@@ -81,15 +81,37 @@ def _sizes(t: Template, discovery):
     unet_config = {**cfg_cls.unet_config, **t.unet_config}
     if not cfg_cls.matches(unet_config):
         raise AssertionError(f"{t.comfy_config}.matches() rejects {unet_config}")
-    model_config = cfg_cls(unet_config)
-    model_config.set_inference_dtype(torch.bfloat16, None)
-    with torch.device("meta"):
-        dit = model_config.get_model({}, "").diffusion_model
+    dit = _build_on_meta(cfg_cls, unet_config)
     found = discovery.discover_blocks(dit)
     blocks = [sum(p.numel() for p in b.parameters()) * t.stored_bytes for b in found.blocks]
     total = sum(p.numel() for p in dit.parameters()) * t.stored_bytes
     widths = [m.in_features for m in found.blocks[0].modules() if isinstance(m, nn.Linear)]
     return blocks, total - sum(blocks), min(widths)
+
+
+# Config keys that one ComfyUI version requires and another rejects, with the value a released checkpoint gives.
+VERSION_KEYS = {"txt_ids_dims": [], "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
+
+
+def _build_on_meta(cfg_cls, unet_config):
+    import torch
+
+    config = dict(unet_config)
+    for _ in range(len(VERSION_KEYS) + 1):
+        model_config = cfg_cls(config)
+        model_config.set_inference_dtype(torch.bfloat16, None)
+        try:
+            with torch.device("meta"):
+                return model_config.get_model({}, "").diffusion_model
+        except TypeError as e:
+            missing = [k for k in VERSION_KEYS if f"'{k}'" in str(e) and k not in config]
+            unexpected = [k for k in VERSION_KEYS if f"'{k}'" in str(e) and k in config]
+            if not missing and not unexpected:
+                raise
+            config.update({k: VERSION_KEYS[k] for k in missing})
+            for k in unexpected:
+                config.pop(k)
+    raise AssertionError(f"{cfg_cls.__name__}: no config this ComfyUI accepts")
 
 
 def rows(cards_gb: Sequence[int]):
