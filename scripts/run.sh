@@ -39,27 +39,35 @@ while [[ $# -gt 0 ]]; do
 done
 
 # ---------------------------------------------------------------- 1. environment
-if [[ -n "${COMFYUI_PATH:-}" && $INSTALL_COMFY_REQS == 0 ]]; then
-    # A user's ComfyUI: its requirements go into this pack's .venv only when asked (they may, e.g., pin another
-    # frontend version than the one this .venv has).
-    export LAYERWISE_OFFLOAD_SKIP_COMFYUI_REQUIREMENTS=1
-fi
-bash scripts/setup_env.sh
 PY="$ROOT/.venv/bin/python"
 if [[ -n "${COMFYUI_PATH:-}" ]]; then
     COMFY_DIR="$(cd "$COMFYUI_PATH" && pwd)"
 else
     COMFY_DIR="$ROOT/.comfyui/ComfyUI"
 fi
-[[ -f "$COMFY_DIR/main.py" ]] || die "no ComfyUI at $COMFY_DIR"
-if [[ -n "${COMFYUI_PATH:-}" ]]; then
-    if [[ $INSTALL_COMFY_REQS == 1 ]]; then
-        log "installed the requirements of $COMFY_DIR/requirements.txt (without torch*) into $ROOT/.venv, as asked"
-    elif ! missing="$("$PY" -P devtools/missing_requirements.py "$COMFY_DIR/requirements.txt")"; then
+check_their_requirements() {
+    # A user's ComfyUI: its requirements go into this pack's .venv only when asked (they may, e.g., pin another
+    # frontend version than the one this .venv has).
+    [[ -n "${COMFYUI_PATH:-}" && $INSTALL_COMFY_REQS == 0 && -x "$PY" ]] || return 0
+    local missing
+    if ! missing="$("$PY" -P devtools/missing_requirements.py "$COMFY_DIR/requirements.txt")"; then
         die "the ComfyUI at $COMFY_DIR needs packages that $ROOT/.venv lacks or has at other versions:
 $missing
 Run again with --install-comfyui-requirements to pip install them into $ROOT/.venv (never into your ComfyUI or
 its Python; torch, torchvision and torchaudio are left out)."
+    fi
+}
+if [[ -n "${COMFYUI_PATH:-}" ]]; then
+    [[ -f "$COMFY_DIR/requirements.txt" ]] && check_their_requirements  # before set-up: fail fast
+    [[ $INSTALL_COMFY_REQS == 1 ]] || export LAYERWISE_OFFLOAD_SKIP_COMFYUI_REQUIREMENTS=1
+fi
+bash scripts/setup_env.sh
+[[ -f "$COMFY_DIR/main.py" ]] || die "no ComfyUI at $COMFY_DIR"
+if [[ -n "${COMFYUI_PATH:-}" ]]; then
+    if [[ $INSTALL_COMFY_REQS == 1 ]]; then
+        log "installed the requirements of $COMFY_DIR/requirements.txt (without torch*) into $ROOT/.venv, as asked"
+    elif [[ -f "$COMFY_DIR/requirements.txt" ]]; then
+        check_their_requirements
     fi
     # Running another ComfyUI must not leave files in it: no bytecode caches either.
     export PYTHONDONTWRITEBYTECODE=1
