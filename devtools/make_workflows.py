@@ -239,8 +239,8 @@ VRAM**.
 3. Divide the rest by the block size below: that is `resident_layers`.
 4. Out of memory? Lower `resident_layers` by a few (or lower the resolution). VRAM left over? Raise it.
 
-`-1` (auto) keeps as many blocks as fit in the VRAM that is free at the first step of each run, after room
-for activations: a good first try. `0` streams every block (least VRAM, slowest). A value at or above the block
+This workflow starts with `-1` (auto): it keeps as many blocks as fit in the VRAM that is free at the first step
+of each run, after room for activations. The numbers below are fixed counts to start from instead. `0` streams every block (least VRAM, slowest). A value at or above the block
 count keeps the whole model resident (like no offload). After a run, the **Layerwise Offload Stats** node shows
 the blocks resident and streamed, the bytes copied per step, how long sampling waited for copies, the peak VRAM
 and what to change. `residency_policy = strided` spreads the streamed blocks evenly over the step instead
@@ -253,7 +253,11 @@ def _note(g: Graph, pos, text: str, size=(520, 560)) -> None:
     g.add("MarkdownNote", pos, [text], size=size, color=NOTE_COLOR)
 
 
-def _offload(g: Graph, pos, resident: int, prefetch: int = 1, title: Optional[str] = None) -> Dict[str, Any]:
+#: Every shipped workflow starts in auto mode; the notes give fixed counts for each card size.
+AUTO = -1
+
+
+def _offload(g: Graph, pos, resident: int = AUTO, prefetch: int = 1, title: Optional[str] = None) -> Dict[str, Any]:
     return g.add(NODE_ID, pos, [resident, prefetch, "leading", True], size=(320, 154), title=title,
                  color=OFFLOAD_COLOR)
 
@@ -273,7 +277,7 @@ def flux1_dev() -> Dict[str, Any]:
     clip = g.add("DualCLIPLoader", (0, 140), ["clip_l.safetensors", "t5xxl_fp16.safetensors", "flux", "default"],
                  size=(320, 130), color=LOADER_COLOR)
     vae = g.add("VAELoader", (0, 330), ["ae.safetensors"], size=(320, 58), color=LOADER_COLOR)
-    off = _offload(g, (400, 0), resident=36)
+    off = _offload(g, (400, 0))
     pos = g.add("CLIPTextEncode", (400, 200), [
         "a red fox sitting in fresh snow at sunrise, golden light, shallow depth of field, detailed fur"],
         size=(400, 180), title="CLIP Text Encode (Positive Prompt)")
@@ -299,7 +303,7 @@ def flux1_dev() -> Dict[str, Any]:
 ### Flux.1 [dev] (bf16, 23.8 GB)
 
 57 blocks in call order: 19 double blocks (~0.68 GB each), then 38 single blocks (~0.28 GB each).
-Non-block weights are ~0.2 GB. `resident_layers = 36` (19 double + 17 single, ~17.7 GB) is a starting point for a
+Non-block weights are ~0.2 GB. A fixed `resident_layers = 36` (19 double + 17 single, ~17.7 GB) is a starting point for a
 24 GB GPU at 1024x1024; 16 GB: ~19 (the double blocks alone are ~12.9 GB); 12 GB: ~12.
 
 Files: `flux1-dev.safetensors` in models/diffusion_models, `clip_l.safetensors` and `t5xxl_fp16.safetensors` in
@@ -327,7 +331,7 @@ def wan21_t2v_14b() -> Dict[str, Any]:
     clip = g.add("CLIPLoader", (0, 140), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
                  size=(320, 106), color=LOADER_COLOR)
     vae = g.add("VAELoader", (0, 300), ["wan_2.1_vae.safetensors"], size=(320, 58), color=LOADER_COLOR)
-    off = _offload(g, (400, 0), resident=20)
+    off = _offload(g, (400, 0))
     ms = g.add("ModelSamplingSD3", (400, 200), [8.0], size=(320, 58))
     pos, neg = _prompt_pair(g, 400, 300, WAN_POSITIVE, WAN_NEGATIVE)
     lat = g.add("EmptyHunyuanLatentVideo", (400, 700), [832, 480, 33, 1], size=(320, 130))
@@ -351,7 +355,7 @@ def wan21_t2v_14b() -> Dict[str, Any]:
     _note(g, (-560, 0), HOW_TO + """
 ### Wan 2.1 T2V 14B (bf16, 28.6 GB)
 
-40 blocks of ~0.70 GB each; non-block weights ~0.5 GB. `resident_layers = 20` (~14 GB) is a starting point for a
+40 blocks of ~0.70 GB each; non-block weights ~0.5 GB. A fixed `resident_layers = 20` (~14 GB) is a starting point for a
 24 GB GPU at 832x480, 33 frames; more frames or 720p need more activation memory, so fewer resident blocks.
 16 GB: ~10; 12 GB: ~5.
 
@@ -370,8 +374,8 @@ def wan22_t2v_a14b() -> Dict[str, Any]:
     clip = g.add("CLIPLoader", (0, 280), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
                  size=(340, 106), color=LOADER_COLOR)
     vae = g.add("VAELoader", (0, 440), ["wan_2.1_vae.safetensors"], size=(340, 58), color=LOADER_COLOR)
-    off_hi = _offload(g, (420, 0), resident=20, title="Layerwise Offload (high noise)")
-    off_lo = _offload(g, (420, 200), resident=20, title="Layerwise Offload (low noise)")
+    off_hi = _offload(g, (420, 0), title="Layerwise Offload (high noise)")
+    off_lo = _offload(g, (420, 200), title="Layerwise Offload (low noise)")
     ms_hi = g.add("ModelSamplingSD3", (800, 0), [8.0], size=(300, 58))
     ms_lo = g.add("ModelSamplingSD3", (800, 200), [8.0], size=(300, 58))
     pos, neg = _prompt_pair(g, 420, 400, WAN_POSITIVE, WAN_NEGATIVE)
@@ -410,7 +414,7 @@ def wan22_t2v_a14b() -> Dict[str, Any]:
 
 Each expert has 40 blocks of ~0.70 GB. They run one after the other (high noise for steps 0-10, low noise for
 10-20), each through its own Layerwise Offload node, so size `resident_layers` for ONE expert: when the low-noise
-expert needs the room, ComfyUI unloads the high-noise one (its resident blocks included). `resident_layers = 20` (~14 GB)
+expert needs the room, ComfyUI unloads the high-noise one (its resident blocks included). A fixed `resident_layers = 20` (~14 GB)
 per expert is a starting point for a 24 GB GPU at 640x640, 81 frames; 16 GB: ~8.
 
 Files: `wan2.2_t2v_high_noise_14B_fp16.safetensors` and `wan2.2_t2v_low_noise_14B_fp16.safetensors` in
@@ -427,7 +431,7 @@ def qwen_image() -> Dict[str, Any]:
     clip = g.add("CLIPLoader", (0, 140), ["qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image", "default"],
                  size=(320, 106), color=LOADER_COLOR)
     vae = g.add("VAELoader", (0, 300), ["qwen_image_vae.safetensors"], size=(320, 58), color=LOADER_COLOR)
-    off = _offload(g, (400, 0), resident=40)
+    off = _offload(g, (400, 0))
     ms = g.add("ModelSamplingAuraFlow", (400, 200), [3.1], size=(320, 58))
     pos, neg = _prompt_pair(g, 400, 300, "a cozy bookshop window at night, warm light, a hand-painted sign that "
                             "reads \"Layerwise Offload\"", "", negative_height=120)
@@ -451,7 +455,7 @@ def qwen_image() -> Dict[str, Any]:
 ### Qwen-Image (fp8 e4m3fn, 20.4 GB)
 
 60 `transformer_blocks` of ~0.34 GB each in fp8 (twice that in bf16); non-block weights are small (<0.1 GB).
-`resident_layers = 40` (~13.6 GB) is a starting point for a 24 GB GPU at 1328x1328; 16 GB: ~20; 12 GB: ~10.
+A fixed `resident_layers = 40` (~13.6 GB) is a starting point for a 24 GB GPU at 1328x1328; 16 GB: ~20; 12 GB: ~10.
 For reference, SGLang measured 34 of 60 resident blocks at 1.67x the speed of streaming all of them (RTX 5090).
 
 Files: `qwen_image_fp8_e4m3fn.safetensors` in models/diffusion_models, `qwen_2.5_vl_7b_fp8_scaled.safetensors` in
@@ -468,7 +472,7 @@ def hunyuan_video() -> Dict[str, Any]:
                  ["clip_l.safetensors", "llava_llama3_fp8_scaled.safetensors", "hunyuan_video", "default"],
                  size=(340, 130), color=LOADER_COLOR)
     vae = g.add("VAELoader", (0, 330), ["hunyuan_video_vae_bf16.safetensors"], size=(340, 58), color=LOADER_COLOR)
-    off = _offload(g, (420, 0), resident=20, prefetch=2)
+    off = _offload(g, (420, 0), prefetch=2)
     ms = g.add("ModelSamplingSD3", (420, 200), [7.0], size=(320, 58))
     pos = g.add("CLIPTextEncode", (420, 300), [
         "a cat walks on the grass, realistic style, soft afternoon light"],
@@ -504,7 +508,7 @@ def hunyuan_video() -> Dict[str, Any]:
 ### HunyuanVideo T2V 720p (bf16, 25.6 GB)
 
 60 blocks in call order: 20 double blocks (~0.68 GB each), then 40 single blocks (~0.28 GB each).
-Video activations are large, so this graph keeps fewer blocks resident: `resident_layers = 20` (the double
+Video activations are large, so a fixed count keeps fewer blocks resident: `resident_layers = 20` (the double
 blocks, ~13.6 GB) with `prefetch_size = 2` is a starting point for a 24 GB GPU at 848x480, 73 frames;
 16 GB: ~8. Lower `tile_size` in VAE Decode (Tiled) if decoding runs out of memory.
 
@@ -522,7 +526,7 @@ def tiny_demo() -> Dict[str, Any]:
                  title="Tiny conditioning (stands in for a text encoder)")
     vae = g.add("VAELoader", (0, 280), ["layerwise_offload_tiny_wan21_vae.safetensors"], size=(340, 58),
                 color=LOADER_COLOR)
-    off = _offload(g, (420, 0), resident=2)
+    off = _offload(g, (420, 0))
     ms = g.add("ModelSamplingSD3", (420, 200), [8.0], size=(320, 58))
     neg = g.add("ConditioningZeroOut", (420, 300), [], size=(320, 26))
     lat = g.add("EmptyHunyuanLatentVideo", (420, 380), [64, 64, 5, 1], size=(320, 130))
@@ -554,21 +558,25 @@ offload machinery on the CPU too; without it the node passes the model through o
   encoder, which has no tiny form in ComfyUI, so the core node *Load Training Dataset* loads a saved conditioning
   instead, and *ConditioningZeroOut* makes the negative.
 
-The pictures are noise (random weights): the point is that the graph runs with `resident_layers = 2`, i.e. 2 of
-the 4 blocks resident and 2 streamed (try 0, 4 or `residency_policy = strided`; the *Layerwise Offload Stats*
-node shows what each run did), and that the saved latent (output/layerwise_offload/) is bitwise identical to the same graph without the
-offload node (bypass it with Ctrl+B and run again to compare).
+The pictures are noise (random weights). The graph starts with `resident_layers = -1` (auto), which on a roomy
+card keeps all 4 blocks; set it to 2 (2 resident, 2 streamed), 0, or `residency_policy = strided` and run again.
+The *Layerwise Offload Stats* node then shows on itself what each run did. The saved latent
+(output/layerwise_offload/) is bitwise identical to the same graph without the offload node (bypass it with
+Ctrl+B and run again to compare).
 """, size=(540, 640))
     return g.to_json()
 
 
+# File name -> builder. ComfyUI's template browser (frontends 1.32 and 1.39) shows a pack's template by its file
+# name, as title and (with - and _ as spaces) description, and its thumbnail from <name>.jpg beside it; so the
+# names are written for people. tests/e2e/test_browser.py makes the thumbnails.
 WORKFLOWS = {
-    "layerwise_offload_tiny_wan21_demo.json": tiny_demo,
-    "flux1_dev_layerwise_offload.json": flux1_dev,
-    "wan2.1_t2v_14B_layerwise_offload.json": wan21_t2v_14b,
-    "wan2.2_t2v_A14B_layerwise_offload.json": wan22_t2v_a14b,
-    "qwen_image_layerwise_offload.json": qwen_image,
-    "hunyuan_video_t2v_layerwise_offload.json": hunyuan_video,
+    "Tiny demo - random 4-block Wan 2.1, runs on CPU.json": tiny_demo,
+    "Flux.1 dev - text to image.json": flux1_dev,
+    "Wan 2.1 T2V 14B - text to video.json": wan21_t2v_14b,
+    "Wan 2.2 T2V A14B - text to video, two experts.json": wan22_t2v_a14b,
+    "Qwen-Image - text to image.json": qwen_image,
+    "HunyuanVideo T2V 720p - text to video.json": hunyuan_video,
 }
 
 

@@ -104,9 +104,9 @@ def default_comfyui_path() -> Path:
 
 
 def default_python() -> str:
-    """This interpreter when it runs in a virtual environment (each tested ComfyUI has its own: .venv,
-    .venv-0.14.1), else the repository's .venv."""
-    if sys.prefix != sys.base_prefix:
+    """This interpreter when it is one of the repository's venvs (.venv, .venv-0.14.1, ...: each matches one
+    ComfyUI version), else .venv's, else this one."""
+    if sys.prefix != sys.base_prefix and Path(sys.prefix).resolve().parent == repo_root():
         return sys.executable
     venv = repo_root() / ".venv" / "bin" / "python"
     return str(venv) if venv.is_file() else sys.executable
@@ -262,6 +262,8 @@ class ComfyServer:
     def request(self, method: str, path: str, body: Any = None, timeout: float = 30.0):
         """``(status, parsed JSON or bytes)`` for ``method path``; HTTP errors are returned, not raised."""
         data = None if body is None else json.dumps(body).encode()
+        # Template names have spaces and commas; an already quoted path stays as it is.
+        path = urllib.parse.quote(path, safe="/?&=%:@+")
         req = urllib.request.Request(self.url + path, data=data, method=method,
                                      headers={"Content-Type": "application/json"} if data is not None else {})
         try:
@@ -345,7 +347,7 @@ def smoke(base_dir: Optional[PathLike] = None, workflow: Optional[PathLike] = No
     stop the server, and return ``{"url", "outputs", "seconds"}``. Raises on any failure (with the log tail)."""
     from .workflow_api import validate_workflow, workflow_to_prompt  # relative: run as a module or by path
 
-    workflow = Path(workflow) if workflow else repo_root() / "workflows" / "layerwise_offload_tiny_wan21_demo.json"
+    workflow = Path(workflow) if workflow else next((repo_root() / "workflows").glob("Tiny demo*.json"))
     wf = json.loads(Path(workflow).read_text(encoding="utf-8"))
     srv = ComfyServer(base_dir, cpu=cpu, env={"LAYERWISE_OFFLOAD_CPU_LOOPBACK": "1"}, comfyui_path=comfyui_path)
     t0 = time.monotonic()
@@ -368,7 +370,7 @@ def _main(argv: Optional[Iterable[str]] = None) -> int:
     sp.add_argument("--base", required=True)
     sp.add_argument("--port", type=int, default=None)
     sp.add_argument("--gpu", action="store_true", help="do not pass --cpu")
-    sm = sub.add_parser("smoke", help="start a server, run workflows/layerwise_offload_tiny_wan21_demo.json, stop")
+    sm = sub.add_parser("smoke", help="start a server, run the tiny demo workflow, stop")
     sm.add_argument("--base", default=None, help="base directory (default: ComfyUI's own folders)")
     sm.add_argument("--comfyui", default=None, help="ComfyUI folder (default: $COMFYUI_PATH or .comfyui/ComfyUI)")
     sm.add_argument("--gpu", action="store_true", help="do not pass --cpu")

@@ -71,6 +71,7 @@ stamp() {
     {
         cat "${BASH_SOURCE[0]}"
         echo "comfy=$COMFY_DIR"
+        echo "skip_comfy_requirements=${LAYERWISE_OFFLOAD_SKIP_COMFYUI_REQUIREMENTS:-0}"
         [[ -f "$COMFY_DIR/requirements.txt" ]] && cat "$COMFY_DIR/requirements.txt"
         [[ -x "$PY" ]] && "$PY" -c 'import sys; print(sys.version)'
     } | sha256sum | cut -d' ' -f1
@@ -160,7 +161,10 @@ fi
 
 # ---------------------------------------------------------------- 4. ComfyUI requirements (minus torch*)
 req="$COMFY_DIR/requirements.txt"
-if [[ -f "$req" ]]; then
+if [[ "${LAYERWISE_OFFLOAD_SKIP_COMFYUI_REQUIREMENTS:-0}" == 1 ]]; then
+    # scripts/run.sh with a user's COMFYUI_PATH: installed only on request (run.sh --install-comfyui-requirements)
+    log "not installing $req into .venv (LAYERWISE_OFFLOAD_SKIP_COMFYUI_REQUIREMENTS=1)"
+elif [[ -f "$req" ]]; then
     filtered="$VENDOR_DIR/requirements-$COMFYUI_VERSION.filtered.txt"
     # torch/torchvision stay at the pins above; torchaudio is left out (only audio nodes need it).
     grep -v -E '^[[:space:]]*(torch|torchvision|torchaudio)[[:space:]]*([<>=!~;[#].*)?$' "$req" > "$filtered"

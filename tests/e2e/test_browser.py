@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts"
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
-TINY = REPO / "workflows" / "layerwise_offload_tiny_wan21_demo.json"
+TINY = next((REPO / "workflows").glob("Tiny demo*.json"))
 CHROMIUM = os.environ.get("LAYERWISE_OFFLOAD_CHROMIUM", "/usr/bin/chromium")
 # What the machine notes prescribe for Chromium here (root, no GPU, closed network).
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -28,6 +30,10 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 NODE = "LayerwiseOffload"
 DISPLAY = "Layerwise Offload (DiT)"
 PACK_FOLDER = "layerwise-offload"
+# Rewrite the committed pictures (template thumbnails, docs/) from this run.
+UPDATE_PICTURES = os.environ.get("LAYERWISE_OFFLOAD_UPDATE_PICTURES") == "1"
+# The canvas below the frontend's top bars, right of its sidebar (viewport 1600x1000).
+THUMBNAIL_CLIP = {"x": 60, "y": 130, "width": 1120, "height": 840}
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (scripts/install_browser.sh)")
 if not Path(CHROMIUM).is_file():
@@ -37,6 +43,42 @@ if not Path(CHROMIUM).is_file():
 def _shot(page, name: str) -> None:
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"browser_{name}.png"))
+
+
+def _thumbnail(page, workflow: Path) -> Path:
+    """The loaded graph as the template browser's thumbnail (<name>.jpg, 4:3). It goes to artifacts/thumbnails/;
+    with LAYERWISE_OFFLOAD_UPDATE_PICTURES=1 also beside the workflow, where ComfyUI serves it."""
+    from PIL import Image
+
+    out = ARTIFACTS / "thumbnails" / f"{workflow.stem}.jpg"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Loaders, offload node and sampler at a readable zoom (the note is left of x = 0); no LiteGraph info text.
+    page.evaluate("""() => { const c = window.app.canvas; c.show_info = false; c.ds.scale = 0.9;
+        c.ds.offset = [80 / 0.9, 170 / 0.9]; c.setDirty(true, true); }""")
+    page.wait_for_timeout(100)
+    page.screenshot(path=str(out.with_suffix(".png")), clip=THUMBNAIL_CLIP)
+    with Image.open(out.with_suffix(".png")) as im:
+        im.convert("RGB").resize((480, 360), Image.LANCZOS).save(out, quality=82, optimize=True)
+    out.with_suffix(".png").unlink()
+    if UPDATE_PICTURES:
+        shutil.copyfile(out, workflow.with_suffix(".jpg"))
+    return out
+
+
+def _picture(page, name: str, scale: float, origin, size) -> Path:
+    """A README picture: the graph from ``origin`` (graph units) at ``scale``, ``size`` screen pixels. It goes to
+    artifacts/docs/; with LAYERWISE_OFFLOAD_UPDATE_PICTURES=1 also to docs/."""
+    x0, y0 = 70, 140  # below the top bars and the workflow name, right of the sidebar
+    page.evaluate("""([s, gx, gy, x0, y0]) => { const c = window.app.canvas; c.show_info = false; c.ds.scale = s;
+        c.ds.offset = [x0 / s - gx, y0 / s - gy]; c.setDirty(true, true); }""", [scale, *origin, x0, y0])
+    page.wait_for_timeout(400)  # DOM widgets (the stats text) follow the next frame
+    out = ARTIFACTS / "docs" / f"{name}.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(out), clip={"x": x0, "y": y0, "width": size[0], "height": size[1]})
+    if UPDATE_PICTURES:
+        (REPO / "docs").mkdir(exist_ok=True)
+        shutil.copyfile(out, REPO / "docs" / out.name)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -139,13 +181,14 @@ def test_workflow_loads_without_missing_nodes(page, path):
     assert graph == {"nodes": len(wf["nodes"]), "links": len(wf["links"])}
     missing_models = [t for t in texts if "Missing Models" in t]
     loaders = [n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "UNETLoader"]
-    if "tiny" in path.stem:
+    if path == TINY:
         assert not texts, texts  # every file the tiny demo loads is on the server
     else:
         # The real models are not here: the frontend offers to download them, from the URLs the workflow carries.
         assert missing_models and all(name in missing_models[0] for name in loaders), texts
     _shot(page, f"workflow_{path.stem}")
     _close_dialogs(page)
+    _thumbnail(page, path)
 
 
 def test_templates_dialog_lists_the_pack_and_loads_the_tiny_demo(page):
@@ -156,6 +199,9 @@ def test_templates_dialog_lists_the_pack_and_loads_the_tiny_demo(page):
     dialog.get_by_text(PACK_FOLDER, exact=True).first.click()
     for path in WORKFLOWS:
         dialog.get_by_text(path.stem, exact=True).first.wait_for(state="visible", timeout=10_000)
+    # Each card shows its thumbnail (<name>.jpg beside the workflow), not a broken image.
+    page.wait_for_function("""(n) => [...document.querySelectorAll('[role=dialog] img')]
+        .filter(i => i.complete && i.naturalWidth === 480).length >= n""", arg=len(WORKFLOWS), timeout=15_000)
     _shot(page, "templates_dialog")
     dialog.get_by_text(TINY.stem, exact=True).first.click()
     page.wait_for_function("() => window.app.graph._nodes.some(n => n.type === 'LayerwiseOffload')", timeout=15_000)
@@ -163,9 +209,8 @@ def test_templates_dialog_lists_the_pack_and_loads_the_tiny_demo(page):
     assert _broken_nodes(page) == []
 
 
-def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
-    _close_dialogs(page)
-    _load(page, json.loads(TINY.read_text()), TINY.stem)
+def _run_from_page(page, comfy_server) -> dict:
+    """Press the page's Run button and return the /history entry of the prompt it queued."""
     before = set(comfy_server.get_json("/api/history"))
     page.get_by_role("button", name="Run", exact=True).first.click()
     deadline = time.monotonic() + 120
@@ -174,7 +219,30 @@ def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
         new = [k for k in comfy_server.get_json("/api/history") if k not in before]
         time.sleep(0.25)
     assert new, "the Run button queued nothing"
-    entry = comfy_server.wait_for(new[0], timeout=120)
+    return comfy_server.wait_for(new[0], timeout=120)
+
+
+# Text boxes a person can see (on screen, not hidden) and what they show.
+_VISIBLE_TEXT_BOXES = """() => [...document.querySelectorAll('textarea')].filter(t => {
+        const r = t.getBoundingClientRect(), s = getComputedStyle(t);
+        return r.width > 20 && r.height > 20 && r.bottom > 0 && r.right > 0 && r.top < innerHeight
+            && r.left < innerWidth && s.visibility !== 'hidden' && s.display !== 'none' && +s.opacity > 0;
+    }).map(t => t.value)"""
+
+
+def _stats_text_on_page(page) -> str:
+    page.wait_for_function(f"() => ({_VISIBLE_TEXT_BOXES})().some(v => v.includes('blocks resident'))",
+                           timeout=30_000)
+    return next(v for v in page.evaluate(_VISIBLE_TEXT_BOXES) if "blocks resident" in v)
+
+
+def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
+    _close_dialogs(page)
+    _load(page, json.loads(TINY.read_text()), TINY.stem)
+    # As a user would try next: 2 of the 4 blocks resident instead of auto, so 2 stream.
+    page.evaluate("""() => window.app.graph._nodes.find(n => n.type === 'LayerwiseOffload')
+        .widgets.find(w => w.name === 'resident_layers').value = 2""")
+    entry = _run_from_page(page, comfy_server)
     _shot(page, "tiny_demo_after_run")
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
     prompt = entry["prompt"][2]
@@ -184,3 +252,27 @@ def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
     page.wait_for_function("""() => [...document.querySelectorAll('img')]
         .some(i => i.src.includes('/view') && i.src.includes('tiny_wan21'))""", timeout=30_000)
     _shot(page, "tiny_demo")
+    # ... and the stats node shows its report (web/js/stats_text.js): the same text the server sent.
+    text = _stats_text_on_page(page)
+    stats_ui = [o["text"][0] for o in entry["outputs"].values() if "text" in o]
+    assert stats_ui == [text]
+    assert "2/4 blocks resident" in text and re.search(r"\d+(\.\d+)? GB/s", text), text
+    _shot(page, "stats_node_classic")
+    _picture(page, "demo_after_run", 0.8, (-10, -40), (1330, 600))
+    _picture(page, "stats_node", 1.2, (790, 380), (560, 240))
+
+
+def test_stats_text_is_drawn_in_nodes_2_0(page, comfy_server):
+    set_vue = "async (on) => { await window.app.extensionManager.setting.set('Comfy.VueNodes.Enabled', on); }"
+    page.evaluate(set_vue, True)
+    try:
+        _close_dialogs(page)
+        _load(page, json.loads(TINY.read_text()), TINY.stem)
+        page.wait_for_selector("[data-node-id]", timeout=15_000)  # Vue nodes are DOM elements
+        entry = _run_from_page(page, comfy_server)
+        assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
+        text = _stats_text_on_page(page)
+        assert "blocks resident" in text and re.search(r"\d+(\.\d+)? GB/s", text), text
+        _shot(page, "stats_node_nodes2")
+    finally:
+        page.evaluate(set_vue, False)

@@ -10,6 +10,7 @@ touch torch), and let ComfyUI 0.3.75 import the folder in a child process exactl
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -157,3 +158,70 @@ def test_comfyui_imports_the_cloned_pack(manager_install):
     assert Path(result["loaded_dirs"][PACK_FOLDER]) == dest
     # ComfyUI imported it as a package named after its path; the pack root never went on sys.path.
     assert str(dest) not in result["sys_path"]
+
+
+def test_the_test_suite_runs_in_a_clone_named_like_the_repository(manager_install):
+    # `git clone` names the folder `layerwise-offload`, not a Python identifier: pytest must not import the root
+    # __init__.py as a package there (it did, and every ComfyUI test errored). A test that imports ComfyUI is
+    # enough to show it; the clone has no .comfyui, so it uses this session's ComfyUI.
+    _, dest = manager_install
+    assert dest.name == "layerwise-offload"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env["COMFYUI_PATH"] = str(default_comfyui_path())
+    r = subprocess.run([default_python(), "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "tests/e2e/test_install.py", "-k", "comfyui_parses_the_pyproject or license"],
+                       cwd=str(dest), env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    assert "2 passed" in r.stdout, r.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ scripts/run.sh
+# With COMFYUI_PATH, run.sh runs a user's ComfyUI in this pack's .venv and base folder: it must not write into
+# that ComfyUI, nor install its requirements into the .venv unless asked.
+
+def _run_sh(args, comfyui: Path, base: Path, timeout: int = 600):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST")}
+    env.update({"COMFYUI_PATH": str(comfyui), "LAYERWISE_OFFLOAD_RUN_BASE": str(base), "FORCE_CPU": "1"})
+    return subprocess.run(["bash", str(REPO / "scripts" / "run.sh"), *args], cwd=str(REPO), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _tree(root: Path):
+    # Bytecode caches are left out: an already-run ComfyUI has them for every module it imports at start.
+    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in root.rglob("*") if p.is_file() and "__pycache__" not in p.parts}
+
+
+def _pip_freeze():
+    return subprocess.run([default_python(), "-m", "pip", "freeze", "--all"], capture_output=True, text=True,
+                          timeout=120).stdout
+
+
+def test_run_sh_asks_before_installing_a_users_comfyui_requirements(tmp_path):
+    theirs = tmp_path / "ComfyUI"
+    (theirs / "comfy").mkdir(parents=True)
+    (theirs / "main.py").write_text("raise SystemExit('never started: requirements are missing')\n")
+    (theirs / "requirements.txt").write_text("psutil\nlayerwise-offload-absent-package==1.0\n")
+    before = _pip_freeze()
+    r = _run_sh(["--smoke"], theirs, tmp_path / "base")
+    assert r.returncode != 0
+    assert "layerwise-offload-absent-package==1.0  (not installed)" in r.stderr, r.stderr[-3000:]
+    assert "--install-comfyui-requirements" in r.stderr
+    assert _pip_freeze() == before
+    assert sorted(p.name for p in theirs.iterdir()) == ["comfy", "main.py", "requirements.txt"]
+
+
+def test_run_sh_smoke_with_a_users_comfyui_writes_nothing_into_it(tmp_path):
+    # run.sh runs ComfyUI in .venv, which matches the vendored ComfyUI; a session testing another ComfyUI would
+    # only repeat this (a minute: run.sh sets .venv up for the other folder, then back).
+    theirs = REPO / ".comfyui" / "ComfyUI"
+    if default_comfyui_path() != theirs.resolve():
+        pytest.skip("run.sh is tested in the session of the vendored ComfyUI (.venv's)")
+    before = _tree(theirs)
+    base = tmp_path / "base"
+    r = _run_sh(["--smoke"], theirs, base)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    result = json.loads(r.stdout[r.stdout.index("\n{\n") + 1:])  # smoke prints its result last
+    assert result["outputs"] and all(Path(p).is_relative_to(base / "output") for p in result["outputs"])
+    assert (base / "custom_nodes" / PACK_FOLDER).resolve() == REPO
+    assert _tree(theirs) == before

@@ -25,13 +25,13 @@ from layerwise_offload.devtools.workflow_api import workflow_to_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO / "workflows"
-TINY_WORKFLOW = WORKFLOWS / "layerwise_offload_tiny_wan21_demo.json"
+TINY_WORKFLOW = next(WORKFLOWS.glob("Tiny demo*.json"))
 NODE = "LayerwiseOffload"
 SEED = 42
 
 
 def tiny_prompt(offload=None, seed=SEED, unet=e2e_assets.TINY_WAN21_NAME, prefix="e2e/tiny", decode=False):
-    """API prompt mirroring workflows/layerwise_offload_tiny_wan21_demo.json; ``offload`` is None (no node) or
+    """API prompt mirroring the tiny demo workflow; ``offload`` is None (no node) or
     ``dict(resident_layers=..., prefetch_size=..., residency_policy=..., pin_memory=...)``."""
     p = {
         "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},

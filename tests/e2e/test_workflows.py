@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_offload.devtools.server import PACK_FOLDER
 from layerwise_offload.devtools.workflow_api import FRONTEND_ONLY, validate_workflow, workflow_to_prompt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,12 +19,12 @@ NODE = "LayerwiseOffload"
 
 # The families the brief asks for, each with the diffusion model file(s) its loader must name.
 EXPECTED = {
-    "flux1_dev": ["flux1-dev.safetensors"],
-    "wan2.1_t2v_14B": ["wan2.1_t2v_14B_bf16.safetensors"],
-    "wan2.2_t2v_A14B": ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan2.2_t2v_low_noise_14B_fp16.safetensors"],
-    "qwen_image": ["qwen_image_fp8_e4m3fn.safetensors"],
-    "hunyuan_video": ["hunyuan_video_t2v_720p_bf16.safetensors"],
-    "layerwise_offload_tiny_wan21": ["layerwise_offload_tiny_wan21.safetensors"],
+    "Flux.1 dev": ["flux1-dev.safetensors"],
+    "Wan 2.1 T2V 14B": ["wan2.1_t2v_14B_bf16.safetensors"],
+    "Wan 2.2 T2V A14B": ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan2.2_t2v_low_noise_14B_fp16.safetensors"],
+    "Qwen-Image": ["qwen_image_fp8_e4m3fn.safetensors"],
+    "HunyuanVideo": ["hunyuan_video_t2v_720p_bf16.safetensors"],
+    "Tiny demo": ["layerwise_offload_tiny_wan21.safetensors"],
 }
 
 
@@ -40,7 +41,7 @@ def test_every_family_has_a_workflow():
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
 def test_workflow_is_valid_for_this_comfyui(path, object_info):
     wf = _load(path)
-    tiny = "tiny" in path.stem
+    tiny = path.stem.startswith("Tiny demo")
     problems = validate_workflow(wf, object_info, check_files=tiny)
     assert not problems, "\n".join(problems)
     # The frontend would produce a prompt the server accepts (checked for real on the tiny one in test_server).
@@ -62,7 +63,8 @@ def test_offload_sits_between_loader_and_sampler(path):
         assert src["type"] == "UNETLoader", f"node {n['id']} is fed by {src['type']}"
         assert n["outputs"][0]["links"], f"node {n['id']}'s MODEL output goes nowhere"
         resident, prefetch, policy, pin = n["widgets_values"]
-        assert resident >= 0 and prefetch >= 1 and policy in ("leading", "strided") and isinstance(pin, bool)
+        assert resident == -1, "shipped workflows start in auto mode; the note gives fixed counts"
+        assert prefetch >= 1 and policy in ("leading", "strided") and isinstance(pin, bool)
         assert n["properties"].get("cnr_id") == "layerwise-offload"
     for st in (n for n in wf["nodes"] if n["type"] == "LayerwiseOffloadStats"):
         model_src = nodes[links[st["inputs"][0]["link"]][1]]
@@ -73,7 +75,7 @@ def test_offload_sits_between_loader_and_sampler(path):
 
 
 def test_wan22_runs_each_expert_through_its_own_offload_and_sampler():
-    wf = _load(next(p for p in FILES if p.stem.startswith("wan2.2")))
+    wf = _load(next(p for p in FILES if p.stem.startswith("Wan 2.2")))
     samplers = [n for n in wf["nodes"] if n["type"] == "KSamplerAdvanced"]
     assert len(samplers) == 2
     by_start = sorted(samplers, key=lambda n: n["widgets_values"][7])
@@ -91,3 +93,25 @@ def test_wan22_runs_each_expert_through_its_own_offload_and_sampler():
         return node["widgets_values"][0]
 
     assert "high_noise" in loader_of(hi) and "low_noise" in loader_of(lo)
+
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_template_has_its_thumbnail_served(path, comfy_server):
+    # The template browser shows <name>.jpg from beside the workflow (made by tests/e2e/test_browser.py).
+    thumb = path.with_suffix(".jpg")
+    assert thumb.is_file(), f"no thumbnail {thumb.name}: LAYERWISE_OFFLOAD_UPDATE_PICTURES=1 pytest tests/e2e/test_browser.py"
+    data = thumb.read_bytes()
+    assert data[:3] == b"\xff\xd8\xff" and 5_000 < len(data) < 120_000, (thumb.name, len(data))
+    status, body = comfy_server.request("GET", f"/api/workflow_templates/{PACK_FOLDER}/{thumb.name}")
+    assert status == 200 and body == data
+
+
+def test_readme_memory_table_is_what_the_planner_prints(capsys):
+    # README's "Memory per template" table is devtools/template_memory.py's output: regenerate it when either the
+    # planner or the templates change.
+    from layerwise_offload.devtools import template_memory
+
+    template_memory.main([])
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(table) == 7 and all(line in readme for line in table), "\n".join(table)

@@ -1,0 +1,165 @@
+"""Print the README's memory table: for each shipped template, the DiT's bytes, the system RAM it needs, and the
+resident count that ``resident_layers = -1`` (auto) picks on 8/12/16/24 GB cards.
+
+Block sizes come from ComfyUI's own model classes at their released size, built on the ``meta`` device (no
+memory, no files), in the dtype of the file each template loads. The choice is made by the planner the node uses
+(``offload/planner.py``: ``plan_residency`` with ``estimate_activation_bytes``), fed as the node feeds it at the
+first step: free VRAM after the non-block weights, ComfyUI's reserve (``minimum_inference_memory``: 0.8 GiB +
+0.4 GiB on Linux), and the activation estimate for the template's latent (batch 2 when CFG runs cond and uncond).
+
+    .venv/bin/python -P devtools/template_memory.py            # Markdown table
+    .venv/bin/python -P devtools/template_memory.py --cards 10,20
+
+Assumptions, printed under the table: the desktop and CUDA context take 0.5 GiB of the card; the text encoder
+and VAE file sizes are the published ones; ComfyUI and Python take about 3 GB of RAM on top of the weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+GiB = 2**30
+GB = 10**9
+CONTEXT_AND_DESKTOP = int(0.5 * GiB)
+COMFY_RESERVE = int(0.8 * GiB) + 400 * 2**20  # minimum_inference_memory() on Linux, no --reserve-vram
+PROCESS_RAM = 3 * GB
+LATENT_BYTES = 4  # the sampler hands the model float32 latents; the node sizes activations from them
+
+
+@dataclass(frozen=True)
+class Template:
+    name: str
+    comfy_config: str  # class in comfy.supported_models
+    unet_config: Dict
+    stored_bytes: int  # bytes per weight in the file the template loads
+    latent: Tuple[int, ...]  # one latent, as the sampler passes it (batch first)
+    cfg_batch: int  # 2 when CFG > 1 runs cond and uncond together
+    experts: int  # diffusion models in the graph (Wan 2.2: high + low noise)
+    other_files_gb: float  # text encoder(s) + VAE, published file sizes
+
+
+def _templates(presets) -> List[Template]:
+    hunyuan = dict(image_model="hunyuan_video", in_channels=16, out_channels=16, patch_size=[1, 2, 2],
+                   vec_in_dim=768, axes_dim=[16, 56, 56], meanflow=False, context_in_dim=4096, hidden_size=3072,
+                   mlp_ratio=4.0, num_heads=24, depth=20, depth_single_blocks=40, theta=256, qkv_bias=True,
+                   byt5=False, guidance_embed=True)
+    return [
+        Template("Flux.1 dev, 1024x1024", "Flux", {**presets.FLUX_DEV, "depth": 19, "depth_single_blocks": 38},
+                 2, (1, 16, 128, 128), 1, 1, 9.79 + 0.25 + 0.34),
+        Template("Wan 2.1 T2V 14B, 832x480x33", "WAN21_T2V", {**presets.WAN21_14B, "num_layers": 40},
+                 2, (1, 16, 9, 60, 104), 2, 1, 6.74 + 0.25),
+        Template("Wan 2.2 T2V A14B, 640x640x81 (per expert)", "WAN21_T2V", {**presets.WAN21_14B, "num_layers": 40},
+                 2, (1, 16, 21, 80, 80), 2, 2, 6.74 + 0.25),
+        Template("Qwen-Image (fp8), 1328x1328", "QwenImage", {**presets.QWEN_IMAGE, "num_layers": 60},
+                 1, (1, 16, 1, 166, 166), 2, 1, 9.38 + 0.25),
+        Template("HunyuanVideo T2V, 848x480x73", "HunyuanVideo", hunyuan, 2, (1, 16, 19, 60, 106), 1, 1,
+                 9.09 + 0.25 + 0.49),
+    ]
+
+
+def _import():
+    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", Path(__file__).resolve().parent / "comfy_env.py")
+    comfy_env = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(comfy_env)
+    comfy = comfy_env.import_comfyui(cpu=True, import_nodes=False)
+    planner, discovery, presets = comfy_env.import_pack_modules("offload.planner", "nodes.discovery",
+                                                                "bench.dit_presets")
+    return comfy, planner, discovery, presets
+
+
+def _sizes(t: Template, discovery):
+    import comfy.supported_models
+    import torch
+    from torch import nn
+
+    cfg_cls = getattr(comfy.supported_models, t.comfy_config)
+    unet_config = {**cfg_cls.unet_config, **t.unet_config}
+    if not cfg_cls.matches(unet_config):
+        raise AssertionError(f"{t.comfy_config}.matches() rejects {unet_config}")
+    dit = _build_on_meta(cfg_cls, unet_config)
+    found = discovery.discover_blocks(dit)
+    blocks = [sum(p.numel() for p in b.parameters()) * t.stored_bytes for b in found.blocks]
+    total = sum(p.numel() for p in dit.parameters()) * t.stored_bytes
+    widths = [m.in_features for m in found.blocks[0].modules() if isinstance(m, nn.Linear)]
+    return blocks, total - sum(blocks), min(widths)
+
+
+# Config keys that one ComfyUI version requires and another rejects, with the value a released checkpoint gives.
+VERSION_KEYS = {"txt_ids_dims": [], "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
+
+
+def _build_on_meta(cfg_cls, unet_config):
+    import torch
+
+    config = dict(unet_config)
+    for _ in range(len(VERSION_KEYS) + 1):
+        model_config = cfg_cls(config)
+        model_config.set_inference_dtype(torch.bfloat16, None)
+        try:
+            with torch.device("meta"):
+                return model_config.get_model({}, "").diffusion_model
+        except TypeError as e:
+            missing = [k for k in VERSION_KEYS if f"'{k}'" in str(e) and k not in config]
+            unexpected = [k for k in VERSION_KEYS if f"'{k}'" in str(e) and k in config]
+            if not missing and not unexpected:
+                raise
+            config.update({k: VERSION_KEYS[k] for k in missing})
+            for k in unexpected:
+                config.pop(k)
+    raise AssertionError(f"{cfg_cls.__name__}: no config this ComfyUI accepts")
+
+
+def rows(cards_gb: Sequence[int]):
+    _, planner, discovery, presets = _import()
+    out = []
+    for t in _templates(presets):
+        blocks, non_block, hidden = _sizes(t, discovery)
+        latent = (t.cfg_batch,) + t.latent[1:]
+        tokens = max(1, _prod(latent[2:]) // 4)  # what the node computes from x[0, 0]
+        activations = planner.estimate_activation_bytes(tokens, hidden, LATENT_BYTES, batch=latent[0])
+        picks = []
+        for card in cards_gb:
+            free = card * GiB - CONTEXT_AND_DESKTOP - non_block
+            plan = planner.plan_residency(blocks, max(free, 0), reserve_bytes=COMFY_RESERVE,
+                                          activation_bytes=activations)
+            picks.append(f"{plan.resident_count}" if plan.fits else "0*")
+        dit_bytes = (sum(blocks) + non_block) * t.experts
+        ram = dit_bytes + t.other_files_gb * GB + PROCESS_RAM
+        out.append((t, len(blocks), sum(blocks) / len(blocks), dit_bytes, ram, activations, picks))
+    return out
+
+
+def _prod(xs) -> int:
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cards", default="8,12,16,24", help="card sizes in GB (GiB of VRAM), comma separated")
+    a = ap.parse_args(argv)
+    cards = [int(c) for c in a.cards.split(",")]
+    table = rows(cards)
+    print("| template | blocks (avg size) | DiT in RAM | RAM needed | activations (est.) | "
+          + " | ".join(f"-1 on {c} GB" for c in cards) + " |")
+    print("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in cards) + " |")
+    for t, n, avg, dit, ram, act, picks in table:
+        print(f"| {t.name} | {n} ({avg / GB:.2f} GB) | {dit / GB:.1f} GB | {ram / GB:.0f} GB | {act / GB:.1f} GB | "
+              + " | ".join(picks) + " |")
+    print(f"\nCards: N GiB total, {CONTEXT_AND_DESKTOP / GiB:.1f} GiB for the desktop and CUDA context, the non-block "
+          f"weights, ComfyUI's reserve ({COMFY_RESERVE / GiB:.1f} GiB) and the activation estimate come off first. "
+          f"RAM needed: the DiT(s) + text encoder + VAE files + ~{PROCESS_RAM / GB:.0f} GB for ComfyUI itself. "
+          "0*: even with every block streamed the estimate does not fit; auto streams everything, and a smaller "
+          "latent (resolution, frames) is the fix if it runs out of memory.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
