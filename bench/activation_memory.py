@@ -182,7 +182,6 @@ def measure_meta(spec, case, batch: int, dtype: torch.dtype) -> dict:
 
 def measure_cuda(spec, case, batch: int, dtype: torch.dtype) -> int:
     """``torch.cuda.max_memory_allocated`` of one forward beyond weights and inputs, ComfyUI's attention as is."""
-    import comfy.ops
     model = spec.build(dtype)
     model = model.to_empty(device="cuda").eval()
     with torch.no_grad(), torch.device("cuda"):
