@@ -238,7 +238,7 @@ def main(argv=None) -> int:
     env = _load_comfy_env()
     env.register_pack()
     env.import_comfyui(cpu=args.device == "cpu", import_nodes=False)
-    from activation_specs import CASES, FAMILIES
+    from layerwise_offload.bench.activation_specs import CASES, FAMILIES
 
     wanted = [f for f in args.family.split(",") if f] or list(FAMILIES)
     unknown = [f for f in wanted if f not in FAMILIES]
@@ -252,8 +252,10 @@ def main(argv=None) -> int:
             continue
         spec = FAMILIES[case.family]
         if args.dry_run:
-            spec.build(dtype)
-            print(f"[activation_memory] dry run: built {spec.name} at {case.resolution}", flush=True)
+            if not any(r["family"] == spec.name for r in rows):
+                spec.build(dtype)
+                rows.append({"family": spec.name})
+                print(f"[activation_memory] dry run: built {spec.label} on the meta device", flush=True)
             continue
         for batch in case.batches:
             row = dict(family=spec.name, label=spec.label, resolution=case.resolution, main=int(case.main),
@@ -281,5 +283,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(HERE))
     sys.exit(main())

@@ -191,6 +191,8 @@ def parse_args(argv=None) -> BenchConfig:
     parser.add_argument("--no-inference-mode", action="store_true",
                         help="sample outside torch.inference_mode() (ComfyUI's executor uses it; default: use it)")
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="import ComfyUI on the CPU and check the presets resolve; run nothing")
     a = parser.parse_args(argv)
     blocks = tuple(_ints(a.blocks)) if a.blocks else None
     return BenchConfig(
@@ -203,10 +205,23 @@ def parse_args(argv=None) -> BenchConfig:
     )
 
 
+def dry_run(config: BenchConfig) -> int:
+    """Everything before the first CUDA call: ComfyUI imports (on the CPU) and every preset resolves."""
+    env = _comfy_env().import_comfyui(cpu=True, import_nodes=False)
+    from layerwise_offload.bench import dit_presets
+    for preset in [p.strip() for p in config.preset.split(",") if p.strip()]:
+        print(f"[comfy-bench] dry run: preset {preset} resolves to "
+              f"{dit_presets.check_resolves(preset, env.supported_models)} in ComfyUI at {env.path}", flush=True)
+    return 0
+
+
 def main(argv=None) -> int:
     """Runs each preset of ``--preset a,b,c`` in turn (one ComfyUI import); a failing preset does not stop the rest."""
     _comfy_env()  # registers the pack so `layerwise_offload.bench...` imports work when run as a script
+    argv = sys.argv[1:] if argv is None else list(argv)
     config = parse_args(argv)
+    if "--dry-run" in argv:
+        return dry_run(config)
     status = 0
     for preset in [p.strip() for p in config.preset.split(",") if p.strip()]:
         try:
