@@ -225,6 +225,18 @@ def write_markdown(rows, path: Path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
+def measure_row(spec, case, batch: int, dtype: torch.dtype, cuda: bool) -> dict:
+    row = dict(family=spec.name, label=spec.label, resolution=case.resolution, main=int(case.main), batch=batch,
+               dtype="bf16", **measure_meta(spec, case, batch, dtype), measured_max_allocated_bytes="")
+    if cuda:
+        row["measured_max_allocated_bytes"] = measure_cuda(spec, case, batch, dtype)
+    print(f"[activation_memory] {spec.name:14s} {case.resolution:13s} batch {batch}: tokens {row['tokens']:6d} "
+          f"peak {row['peak_bytes'] / 2**30:6.2f} GiB (block {row['block_peak_bytes'] / 2**30:.2f}, outside "
+          f"{row['outside_peak_bytes'] / 2**30:.2f}, {row['attention_calls']} attention calls)"
+          + (f" measured {row['measured_max_allocated_bytes'] / 2**30:.2f} GiB" if cuda else ""), flush=True)
+    return row
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -247,36 +259,23 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16
     rows = []
     started = time.perf_counter()
-    for case in CASES:
-        if case.family not in wanted:
-            continue
-        spec = FAMILIES[case.family]
-        if args.dry_run:
-            if not any(r["family"] == spec.name for r in rows):
-                spec.build(dtype)
-                rows.append({"family": spec.name})
-                print(f"[activation_memory] dry run: built {spec.label} on the meta device", flush=True)
-            continue
-        for batch in case.batches:
-            row = dict(family=spec.name, label=spec.label, resolution=case.resolution, main=int(case.main),
-                       batch=batch, dtype="bf16", **measure_meta(spec, case, batch, dtype),
-                       measured_max_allocated_bytes="")
-            if args.device == "cuda":
-                row["measured_max_allocated_bytes"] = measure_cuda(spec, case, batch, dtype)
-            rows.append(row)
-            print(f"[activation_memory] {spec.name:14s} {case.resolution:13s} batch {batch}: tokens {row['tokens']:6d} "
-                  f"peak {row['peak_bytes'] / 2**30:6.2f} GiB (block {row['block_peak_bytes'] / 2**30:.2f}, outside "
-                  f"{row['outside_peak_bytes'] / 2**30:.2f}, {row['attention_calls']} attention calls)"
-                  + (f" measured {row['measured_max_allocated_bytes'] / 2**30:.2f} GiB" if args.device == "cuda" else ""),
-                  flush=True)
+    cases = [case for case in CASES if case.family in wanted]
     if args.dry_run:
+        for name in dict.fromkeys(case.family for case in cases):
+            FAMILIES[name].build(dtype)
+            print(f"[activation_memory] dry run: built {FAMILIES[name].label} on the meta device", flush=True)
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "activation_memory.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+    with open(out / "activation_memory.csv", "w", newline="") as table:
+        # Row by row, flushed: a run cut short by a time limit keeps the rows it measured.
+        writer = csv.DictWriter(table, fieldnames=FIELDS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        for case in cases:
+            for batch in case.batches:
+                rows.append(measure_row(FAMILIES[case.family], case, batch, dtype, args.device == "cuda"))
+                writer.writerow(rows[-1])
+                table.flush()
     write_markdown(rows, out / "activation_memory.md")
     print(f"[activation_memory] {len(rows)} rows in {time.perf_counter() - started:.0f} s -> {out}", flush=True)
     return 0
