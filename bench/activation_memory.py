@@ -213,7 +213,7 @@ def write_markdown(rows, path: Path) -> None:
         "rounding and fragmentation are not counted. `measured` is `torch.cuda.max_memory_allocated` on a GPU "
         "(empty where no GPU was lent).",
         "",
-        "| family | resolution | batch | tokens | peak GiB | in a block GiB | outside blocks GiB | measured GiB |",
+        "| family | resolution | batch | tokens | peak GiB | peak while a block runs GiB | peak between blocks GiB | measured GiB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
