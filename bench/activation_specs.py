@@ -30,9 +30,10 @@ class FamilySpec:
 
     def build(self, dtype: torch.dtype):
         import comfy.ops
+        from .dit_presets import for_this_comfyui
         module_name, class_name = self.cls.split(":")
         cls = getattr(importlib.import_module("comfy.ldm." + module_name), class_name)
-        return cls(**self.kwargs, **self.one_block, dtype=dtype, device=torch.device("meta"),
+        return cls(**for_this_comfyui(self.kwargs), **self.one_block, dtype=dtype, device=torch.device("meta"),
                    operations=comfy.ops.disable_weight_init)
 
 

@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["Preset", "PRESETS", "build", "check_resolves", "conditioning", "sample", "parse_blocks"]
+__all__ = ["Preset", "PRESETS", "build", "check_resolves", "for_this_comfyui", "conditioning", "sample", "parse_blocks"]
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,31 @@ def _comfy():
     return mm, comfy.supported_models, comfy.model_patcher, comfy.sample
 
 
+# Constructor fields newer ComfyUI made required, with the value its model detection gives the released models:
+# (image_model, params dataclass, field, value).
+NEWER_REQUIRED_FIELDS = (
+    ("flux", "comfy.ldm.flux.model:FluxParams", "txt_ids_dims", []),
+    ("flux2", "comfy.ldm.flux.model:FluxParams", "txt_ids_dims", [3]),
+    ("hunyuan_video", "comfy.ldm.hunyuan_video.model:HunyuanVideoParams", "meanflow_sum", False),
+)
+
+
+def for_this_comfyui(config: Dict[str, Any]) -> Dict[str, Any]:
+    """``config`` plus the fields this ComfyUI requires and 0.3.75 does not know (0.14.1: Flux's
+    ``txt_ids_dims``, HunyuanVideo's ``meanflow_sum``), so one preset builds on both."""
+    import dataclasses
+    import importlib
+    config = dict(config)
+    for image_model, params, name, value in NEWER_REQUIRED_FIELDS:
+        if config.get("image_model") != image_model or name in config:
+            continue
+        module_name, class_name = params.split(":")
+        fields = {f.name for f in dataclasses.fields(getattr(importlib.import_module(module_name), class_name))}
+        if name in fields:
+            config[name] = value
+    return config
+
+
 def check_resolves(preset: "Preset | str", supported_models) -> str:
     """The preset's ComfyUI config class accepts its unet_config in this ComfyUI (no model is built);
     returns the class name. What the dry runs of bench/gpu_run.sh check before any CUDA call."""
@@ -157,7 +182,7 @@ def build(preset: "Preset | str", seed: int = 0, dtype: Optional[torch.dtype] = 
     preset = PRESETS[preset] if isinstance(preset, str) else preset
     mm, supported_models, model_patcher, _ = _comfy()
     cfg_cls = getattr(supported_models, preset.comfy_config)
-    unet_config = {**cfg_cls.unet_config, **preset.config_with_blocks(blocks)}
+    unet_config = for_this_comfyui({**cfg_cls.unet_config, **preset.config_with_blocks(blocks)})
     if not cfg_cls.matches(unet_config):
         raise AssertionError(f"{preset.comfy_config}.matches() rejects {unet_config}")
     model_config = cfg_cls(unet_config)

@@ -114,6 +114,11 @@ def test_csv_matches_the_table(result):
 REPO = Path(__file__).resolve().parents[2]
 
 
+def default_comfyui() -> bool:
+    """Whether the ComfyUI under test is the default one (0.3.75), the version the activation table was made on."""
+    return Path(mm.__file__).resolve().parents[1] == (REPO / ".comfyui" / "ComfyUI").resolve()
+
+
 def test_live_bytes_tracker_counts_allocations_not_views_or_weights():
     from layerwise_offload.bench.activation_memory import LiveBytes
     weight = torch.nn.Linear(100, 100, device="meta")
@@ -140,7 +145,10 @@ def test_committed_table_is_what_the_script_measures():
     case = next(c for c in CASES if c.family == "flux1" and c.main)
     measured = measure_meta(FAMILIES["flux1"], case, 2, torch.bfloat16)
     row = committed[("flux1", case.resolution, "2")]
-    assert measured["peak_bytes"] == int(row["peak_bytes"])
+    if default_comfyui():
+        assert measured["peak_bytes"] == int(row["peak_bytes"])
+    else:  # the table is 0.3.75's; 0.14.1's Flux forward is 6 % leaner, every family within 10 % (README)
+        assert abs(measured["peak_bytes"] - int(row["peak_bytes"])) <= 0.10 * int(row["peak_bytes"])
     assert measured["attention_calls"] == 2  # one double + one single block, each through the flash stand-in
     # No tokens x tokens matrix: the peak is far below one bf16 score matrix per head.
     tokens = measured["tokens"] + 512
@@ -150,7 +158,7 @@ def test_committed_table_is_what_the_script_measures():
 def test_gpu_run_dry_run_proves_every_step_before_cuda(tmp_path):
     if not (REPO / ".venv-0.14.1" / "bin" / "python").exists():
         pytest.skip("needs .venv-0.14.1 (ComfyUI 0.14.1's environment) for the 0.14.1 step")
-    if Path(mm.__file__).resolve().parents[1] != (REPO / ".comfyui" / "ComfyUI").resolve():
+    if not default_comfyui():
         pytest.skip("the dry run covers both ComfyUI versions itself: it runs once, in the default ComfyUI's pass")
     env = dict(os.environ, WORK=str(tmp_path), PRESETS="flux", PRESETS14="flux")
     run = subprocess.run(["bash", "bench/gpu_run.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
