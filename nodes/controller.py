@@ -262,9 +262,10 @@ class OffloadController:
         self.config = dataclasses.replace(self.config, resident_layers=plan.resident_count)
 
     def _compute_dtype_bytes(self, x: torch.Tensor) -> int:
-        """The model computes in its own dtype (the latent arrives in float32 and is cast)."""
+        """The model computes in its own dtype (the latent arrives in float32 and is cast); fp8 weights
+        compute in at least 16 bits."""
         dtype = getattr(self.base_model, "manual_cast_dtype", None) or getattr(self.base_model, "get_dtype", lambda: None)()
-        return torch.empty((), dtype=dtype).element_size() if isinstance(dtype, torch.dtype) else x.element_size()
+        return max(2, dtype.itemsize) if isinstance(dtype, torch.dtype) else x.element_size()
 
     def _hidden_size(self) -> int:
         return block_width(self.discovered.blocks[0])
