@@ -1,6 +1,6 @@
 """Peak activation memory of one DiT forward, measured on ComfyUI's own model classes without real weights.
 
-    .venv/bin/python -P bench/activation_memory.py                 # every family, writes bench/results/activation_memory.*
+    .venv/bin/python -P bench/activation_memory.py              # all families -> bench/results/activation_memory.*
     .venv/bin/python -P bench/activation_memory.py --family flux1 --out /tmp/x
     python -P bench/activation_memory.py --device cuda --out DIR    # on a GPU: adds measured max_memory_allocated
 
@@ -181,13 +181,14 @@ def measure_meta(spec, case, batch: int, dtype: torch.dtype) -> dict:
 
 
 def measure_cuda(spec, case, batch: int, dtype: torch.dtype) -> int:
-    """``torch.cuda.max_memory_allocated`` of one forward beyond weights and inputs, ComfyUI's attention as is."""
-    model = spec.build(dtype)
-    model = model.to_empty(device="cuda").eval()
+    """``torch.cuda.max_memory_allocated`` of one forward, ComfyUI's attention as it is on the GPU, counted the way
+    :func:`measure_meta` counts: the inputs, what the forward allocates beyond the weights, + 3 latents."""
+    model = spec.build(dtype).to_empty(device="cuda").eval()  # uninitialised weights: only memory is measured
     with torch.no_grad(), torch.device("cuda"):
         x = torch.zeros((batch,) + tuple(case.latent), dtype=dtype)
-        kwargs = {k: (v.to("cuda").zero_() if isinstance(v, torch.Tensor) else v)
-                  for k, v in spec.inputs(x, batch, dtype).items()}
+        kwargs = {k: (v.zero_() if isinstance(v, torch.Tensor) else v) for k, v in spec.inputs(x, batch, dtype).items()}
+        inputs = sum(t.untyped_storage().nbytes() for t in [x, *kwargs.values()] if isinstance(t, torch.Tensor))
+        model(x, **kwargs, transformer_options={})  # warm-up: cuBLAS workspaces and the like are made once
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
@@ -198,7 +199,7 @@ def measure_cuda(spec, case, batch: int, dtype: torch.dtype) -> int:
     del model, x, kwargs
     torch.cuda.empty_cache()
     latent_bytes = batch * math.prod(case.latent) * dtype.itemsize
-    return peak + latent_bytes + 3 * latent_bytes  # inputs were allocated before the reset; + ComfyUI's wrapper
+    return peak + inputs + 3 * latent_bytes
 
 
 def write_markdown(rows, path: Path) -> None:
@@ -213,7 +214,8 @@ def write_markdown(rows, path: Path) -> None:
         "rounding and fragmentation are not counted. `measured` is `torch.cuda.max_memory_allocated` on a GPU "
         "(empty where no GPU was lent).",
         "",
-        "| family | resolution | batch | tokens | peak GiB | peak while a block runs GiB | peak between blocks GiB | measured GiB |",
+        "| family | resolution | batch | tokens | peak GiB | peak while a block runs GiB | peak between blocks GiB "
+        "| measured GiB |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:

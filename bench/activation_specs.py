@@ -46,23 +46,24 @@ class Case:
     main: bool = False  # the resolution the README's headline row uses
 
 
-def _rand(*shape, dtype):
+def _empty(*shape, dtype):
     return torch.empty(shape, dtype=dtype)
 
 
 def _flux_inputs(text_tokens: int, text_dim: int, pooled: int = 0):
     def make(x, batch, dtype):
-        out = {"timestep": _rand(batch, dtype=torch.float32), "context": _rand(batch, text_tokens, text_dim, dtype=dtype),
-               "guidance": _rand(batch, dtype=torch.float32)}
+        out = {"timestep": _empty(batch, dtype=torch.float32),
+               "context": _empty(batch, text_tokens, text_dim, dtype=dtype),
+               "guidance": _empty(batch, dtype=torch.float32)}
         if pooled:
-            out["y"] = _rand(batch, pooled, dtype=dtype)
+            out["y"] = _empty(batch, pooled, dtype=dtype)
         return out
     return make
 
 
 def _text_inputs(text_tokens: int, text_dim: int, timestep: str = "timestep", **extra):
     def make(x, batch, dtype):
-        out = {timestep: _rand(batch, dtype=torch.float32), "context": _rand(batch, text_tokens, text_dim, dtype=dtype)}
+        out = {timestep: _empty(batch, dtype=torch.float32), "context": _empty(batch, text_tokens, text_dim, dtype=dtype)}
         for key, value in extra.items():
             out[key] = value(batch, dtype) if callable(value) else value
         return out
@@ -108,9 +109,10 @@ FAMILIES: Dict[str, FamilySpec] = {f.name: f for f in (
                {"num_layers": 1}, 4, _text_inputs(256, 3584)),
     FamilySpec("hunyuan_video", "HunyuanVideo (hidden 3072)", "hunyuan_video.model:HunyuanVideo", HUNYUAN,
                {"depth": 1, "depth_single_blocks": 1}, 4, _flux_inputs(256, 4096, pooled=768)),
-    FamilySpec("sd35_large", "SD3.5 Large (hidden 2432)", "modules.diffusionmodules.mmdit:OpenAISignatureMMDITWrapper", SD35_LARGE,
+    FamilySpec("sd35_large", "SD3.5 Large (hidden 2432)",
+               "modules.diffusionmodules.mmdit:OpenAISignatureMMDITWrapper", SD35_LARGE,
                {"depth": 38, "num_blocks": 1}, 4,
-               _text_inputs(154, 4096, "timesteps", y=lambda batch, dtype: _rand(batch, 2048, dtype=dtype))),
+               _text_inputs(154, 4096, "timesteps", y=lambda batch, dtype: _empty(batch, 2048, dtype=dtype))),
     FamilySpec("lumina2", "Lumina 2 (dim 2304)", "lumina.model:NextDiT",
                {**LUMINA, "dim": 2304, "cap_feat_dim": 2304, "n_heads": 24, "n_kv_heads": 8, "axes_dims": [32, 32, 32],
                 "axes_lens": [300, 512, 512], "rope_theta": 10000.0, "ffn_dim_multiplier": 4.0},

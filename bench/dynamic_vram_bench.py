@@ -87,7 +87,8 @@ def check_versions(comfy_env) -> str:
     import comfy_aimdo.control  # noqa: F401  (import-time failure is what this checks)
     import comfy_aimdo.model_vbar  # noqa: F401
     import comfyui_version
-    missing = [name for name in ("ModelPatcherDynamic", "CoreModelPatcher") if not hasattr(comfy_env.model_patcher, name)]
+    missing = [name for name in ("ModelPatcherDynamic", "CoreModelPatcher")
+               if not hasattr(comfy_env.model_patcher, name)]
     if missing:
         raise RuntimeError(f"this ComfyUI has no {', '.join(missing)}: dynamic VRAM needs ComfyUI 0.14.1 or newer")
     try:

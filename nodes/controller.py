@@ -264,7 +264,8 @@ class OffloadController:
     def _compute_dtype_bytes(self, x: torch.Tensor) -> int:
         """The model computes in its own dtype (the latent arrives in float32 and is cast); fp8 weights
         compute in at least 16 bits."""
-        dtype = getattr(self.base_model, "manual_cast_dtype", None) or getattr(self.base_model, "get_dtype", lambda: None)()
+        get_dtype = getattr(self.base_model, "get_dtype", lambda: None)
+        dtype = getattr(self.base_model, "manual_cast_dtype", None) or get_dtype()
         return max(2, dtype.itemsize) if isinstance(dtype, torch.dtype) else x.element_size()
 
     def _hidden_size(self) -> int:
