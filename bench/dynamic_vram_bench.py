@@ -34,6 +34,7 @@ import contextlib
 import csv
 import importlib.util
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -114,7 +115,12 @@ def limit_free_memory(mm, patcher, fraction: float) -> None:
 
 
 def run_mode(args) -> dict:
-    env = import_comfy(args.mode, cpu=False)
+    cuda = args.device == "cuda"
+    if not cuda:
+        if args.mode == "dynamic":
+            raise ValueError("dynamic VRAM needs an NVIDIA GPU (--device cuda)")
+        os.environ["LAYERWISE_OFFLOAD_CPU_LOOPBACK"] = "1"  # the node's real path on the CPU, for checking this script
+    env = import_comfy(args.mode, cpu=not cuda)
     mm = env.model_management
     if args.mode == "dynamic" and not activate_dynamic_vram(env):
         raise RuntimeError("comfy_aimdo.control.init_device failed: no working comfy-aimdo on this device")
@@ -126,17 +132,18 @@ def run_mode(args) -> dict:
         from layerwise_offload.nodes.offload_node import offload_model
         patcher = offload_model(patcher)  # every input at its default: auto residency
     from layerwise_offload.bench.bench_measure import StepClock
-    clock = StepClock(cuda=True, on_first=lambda: None)
+    clock = StepClock(cuda=cuda, on_first=lambda: None)
     allocator = getattr(sys.modules.get("comfy.memory_management"), "aimdo_allocator", None)
     pool = torch.cuda.use_mem_pool(torch.cuda.MemPool(allocator.allocator())) if allocator else contextlib.nullcontext()
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     with torch.inference_mode(), pool:
         out = presets.sample(patcher, args.preset, steps=args.steps, callback=clock)
     seconds = clock.step_seconds()
     controller = getattr(patcher, "attachments", {}).get("layerwise_offload")
     row = dict(preset=args.preset, mode=args.mode, limit_fraction=args.limit_fraction or "", steps=args.steps,
                step_ms=1e3 * sorted(seconds)[len(seconds) // 2] if seconds else "",
-               peak_alloc_bytes=torch.cuda.max_memory_allocated(), model_bytes=model_bytes,
+               peak_alloc_bytes=torch.cuda.max_memory_allocated() if cuda else "", model_bytes=model_bytes,
                loaded_bytes=patcher.loaded_size(), comfyui=str(env.path), error="",
                resident_blocks=controller.manager.resident_count() if controller else "",
                num_blocks=controller.manager.num_blocks if controller else "")
@@ -188,6 +195,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", choices=MODES)
     parser.add_argument("--preset", default="flux")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu runs full and layerwise on the CPU loopback, to check this script without a GPU")
     parser.add_argument("--limit-fraction", type=float, default=0.0)
     parser.add_argument("--out", default=str(HERE / "results" / "gpu" / "dynamic_vram"))
     parser.add_argument("--compare", default=None, help="folder of per-mode results to tabulate")
@@ -210,8 +219,9 @@ def main(argv=None) -> int:
         Path(args.out, f"{args.preset}_{args.mode}_{args.limit_fraction or 'all'}.json").write_text(json.dumps(row))
         print(f"[dynamic_vram_bench] {args.preset} {args.mode}: FAILED {row['error']}", flush=True)
         return 1
+    peak = f"{row['peak_alloc_bytes'] / 2**30:.2f} GiB" if row["peak_alloc_bytes"] != "" else "-"
     print(f"[dynamic_vram_bench] {args.preset} {args.mode} limit {args.limit_fraction or 'none'}: "
-          f"{row['step_ms']:.1f} ms/step, peak {row['peak_alloc_bytes'] / 2**30:.2f} GiB "
+          f"{row['step_ms']:.1f} ms/step, peak {peak}, resident {row['resident_blocks']}/{row['num_blocks']} "
           f"({time.perf_counter() - started:.0f} s)", flush=True)
     return 0
 

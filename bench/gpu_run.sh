@@ -48,7 +48,7 @@ step() {  # step NAME CAP_S command...: runs under min(CAP_S, time left), logs, 
     (( budget < cap )) && cap=$budget
     if (( cap < 15 )); then say "$name: skipped, $(left) s left of TOTAL_S"; STATUS=1; return; fi
     say "$name (cap ${cap} s)"
-    timeout --signal=INT --kill-after=15 "$cap" "$@" 2>&1 | grep -v "^WARNING:root:torchaudio missing" | tee -a "$LOG"
+    timeout --signal=INT --kill-after=15 "$cap" "$@" 2>&1 | grep --line-buffered -v "^WARNING:root:torchaudio missing" | tee -a "$LOG"
     local rc=${PIPESTATUS[0]}
     if (( rc != 0 )); then say "$name: exit status $rc"; STATUS=1; fi
 }
@@ -81,24 +81,27 @@ ok = any(t == version or (abi_tag == "abi3" and t <= version) for t in tags)
 sys.exit(0 if ok else 1)
 EOF
 }
-install_wheels() {  # install_wheels DIR TARGET: pip install --target, or in a dry run only the tag check
-    local dir="$1" target="$2" whl
+install_wheels() {  # install_wheels DIR TARGET: pip install --target the wheels that fit (a dry run only checks)
+    local dir="$1" target="$2" whl fitting=()
     compgen -G "$dir/*.whl" >/dev/null || { say "no wheels in $dir (run bench/gpu_prep.sh)"; return 1; }
     for whl in "$dir"/*.whl; do
-        if ! wheel_fits "$whl"; then
-            say "$(basename "$whl") does not fit Python $device_python here (prepare with DEVICE_PYTHON=$device_python)"
-            (( DRY )) || return 1
+        if wheel_fits "$whl"; then
+            fitting+=("$whl")
+        else
+            say "$(basename "$whl") does not fit Python $device_python: left out (prepare with DEVICE_PYTHON=$device_python)"
         fi
     done
     (( DRY )) && { say "dry run: $dir checked, not installed (this machine's venvs stand in)"; return 0; }
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$dir"/*.whl
+    (( ${#fitting[@]} )) || return 1
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "${fitting[@]}"
 }
 SITE="$WORK/site"; SITE14="$WORK/site-0.14.1"
 if [[ -d .gpu/wheels ]]; then install_wheels .gpu/wheels "$SITE" || STATUS=1; fi
-HAVE14=0
+HAVE14=0  # 0.14.1 imports comfy_aimdo at start-up; without comfy_kitchen it only loses fp8/fp4 support
 if [[ -n "$C014" ]]; then
     if [[ -d .gpu/wheels-0.14.1 ]]; then
-        install_wheels .gpu/wheels-0.14.1 "$SITE14" && HAVE14=1 || STATUS=1
+        install_wheels .gpu/wheels-0.14.1 "$SITE14" || STATUS=1
+        if (( DRY )) || [[ -d "$SITE14/comfy_aimdo" ]]; then HAVE14=1; fi
     elif (( DRY )); then
         say "dry run: no .gpu/wheels-0.14.1; $PY14 must have comfy-aimdo"; HAVE14=1
     fi
