@@ -41,8 +41,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 HERE = Path(__file__).resolve().parent
-FIELDS = ("family", "label", "resolution", "main", "batch", "dtype", "tokens", "block_width", "peak_bytes",
-          "forward_peak_bytes", "block_peak_bytes", "block_entry_bytes", "outside_peak_bytes", "latent_bytes",
+FIELDS = ("family", "label", "resolution", "main", "batch", "dtype", "latent_channels", "tokens", "block_width",
+          "peak_bytes", "forward_peak_bytes", "block_peak_bytes", "block_entry_bytes", "outside_peak_bytes", "latent_bytes",
           "attention_calls", "measured_max_allocated_bytes")
 
 
@@ -174,7 +174,8 @@ def measure_meta(spec, case, batch: int, dtype: torch.dtype) -> dict:
             handle.remove()
     latent_bytes = batch * math.prod(case.latent) * dtype.itemsize
     forward_peak = tracker.peak
-    return dict(tokens=math.prod(case.latent[1:]) // spec.patch_area, block_width=block_width(blocks[0]),
+    return dict(latent_channels=case.latent[0], tokens=math.prod(case.latent[1:]) // spec.patch_area,
+                block_width=block_width(blocks[0]),
                 forward_peak_bytes=forward_peak, peak_bytes=forward_peak + 3 * latent_bytes,
                 block_peak_bytes=block_peak, block_entry_bytes=block_entry,
                 outside_peak_bytes=tracker.outside_peak, latent_bytes=latent_bytes, attention_calls=len(calls))

@@ -250,7 +250,7 @@ class OffloadController:
         reserve = int(comfy.model_management.minimum_inference_memory())
         activations = forward_activation_bytes(
             type(self.diffusion_model).__name__, self._hidden_size(), max(1, x[0, 0].numel()),
-            batch=max(1, x.shape[0]), dtype_bytes=self._compute_dtype_bytes(x))
+            batch=max(1, x.shape[0]), dtype_bytes=self._compute_dtype_bytes(x), latent_channels=x.shape[1])
         plan = plan_residency(self.manager.block_nbytes(), free, reserve_bytes=reserve,
                               activation_bytes=activations.nbytes, prefetch_size=self.config.prefetch_size,
                               policy=self.config.policy)

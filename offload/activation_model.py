@@ -29,6 +29,7 @@ class ActivationLine:
     family: str  # the row name in bench/results/activation_memory.csv
     model_class: str  # type(diffusion_model).__name__ in ComfyUI
     block_width: int
+    latent_channels: int  # tells apart models of one class with different latents (Flux.1 / Flux 2)
     patch_area: int  # latent elements per channel that make one token
     base_bytes: int
     bytes_per_token: int
@@ -37,27 +38,31 @@ class ActivationLine:
 # Fitted (least relative squares, every row within 1.1 %) to bench/results/activation_memory.csv; refit when
 # that table is remade. tests/unit/test_planner.py checks every row against these lines.
 LINES: Tuple[ActivationLine, ...] = (
-    ActivationLine("flux1", "Flux", 3072, 4, 58_234_376, 99_989),
-    ActivationLine("flux2", "Flux", 6144, 1, 135_856_136, 223_516),
-    ActivationLine("wan_14b", "WanModel", 5120, 4, 9_570_403, 114_051),
-    ActivationLine("wan_1_3b", "WanModel", 1536, 4, 5_807_456, 46_461),
-    ActivationLine("wan22_5b", "WanModel", 3072, 4, 7_420_064, 78_462),
-    ActivationLine("qwen_image", "QwenImageTransformer2DModel", 3072, 4, 12_958_041, 68_666),
-    ActivationLine("hunyuan_video", "HunyuanVideo", 3072, 4, 29_127_176, 99_851),
-    ActivationLine("sd35_large", "OpenAISignatureMMDITWrapper", 2432, 4, 8_795_139, 97_792),
-    ActivationLine("lumina2", "NextDiT", 2304, 4, 24_994_308, 88_832),
-    ActivationLine("z_image", "NextDiT", 3840, 4, 30_447_620, 106_496),
-    ActivationLine("ltxv", "LTXVModel", 2048, 1, 1_626_371, 54_336),
+    ActivationLine("flux1", "Flux", 3072, 16, 4, 58_234_376, 99_989),
+    ActivationLine("flux2", "Flux", 6144, 128, 1, 135_856_136, 223_516),
+    ActivationLine("wan_14b", "WanModel", 5120, 16, 4, 9_570_403, 114_051),
+    ActivationLine("wan_1_3b", "WanModel", 1536, 16, 4, 5_807_456, 46_461),
+    ActivationLine("wan22_5b", "WanModel", 3072, 48, 4, 7_420_064, 78_462),
+    ActivationLine("qwen_image", "QwenImageTransformer2DModel", 3072, 16, 4, 12_958_041, 68_666),
+    ActivationLine("hunyuan_video", "HunyuanVideo", 3072, 16, 4, 29_127_176, 99_851),
+    ActivationLine("sd35_large", "OpenAISignatureMMDITWrapper", 2432, 16, 4, 8_795_139, 97_792),
+    ActivationLine("lumina2", "NextDiT", 2304, 16, 4, 24_994_308, 88_832),
+    ActivationLine("z_image", "NextDiT", 3840, 16, 4, 30_447_620, 106_496),
+    ActivationLine("ltxv", "LTXVModel", 2048, 128, 1, 1_626_371, 54_336),
 )
 
 MEASURED_DTYPE_BYTES = 2  # the table is bf16
 
 
-def find_line(model_class: str, width: int) -> Optional[Tuple[ActivationLine, float]]:
+def find_line(model_class: str, width: int, latent_channels: Optional[int] = None
+              ) -> Optional[Tuple[ActivationLine, float]]:
     """The line for a model and the factor to scale it by: 1.0 for a measured width; for another width of a
-    measured class (a fine-tune with a different size), the nearest measured width scaled by the width ratio
-    (activations are hidden-sized tensors per token); None for a class the table does not have."""
+    measured class (a variant with a different size), the nearest measured width scaled by the width ratio
+    (activations are hidden-sized tensors per token); None for a class the table does not have. Lines with
+    the model's latent channel count go first (its patch size, and so its tokens, follow the latent)."""
     same_class = [line for line in LINES if line.model_class == model_class]
+    same_latent = [line for line in same_class if line.latent_channels == latent_channels]
+    same_class = same_latent or same_class
     if not same_class:
         return None
     nearest = min(same_class, key=lambda line: abs(line.block_width - width))

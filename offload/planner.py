@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 from .activation_model import find_line, line_bytes, tokens_for
 from .config import POLICIES
@@ -141,18 +141,19 @@ class ActivationEstimate:
 
 
 def forward_activation_bytes(model_class: str, block_width: int, latent_elements_per_channel: int,
-                             batch: int = 1, dtype_bytes: int = 2) -> ActivationEstimate:
+                             batch: int = 1, dtype_bytes: int = 2,
+                             latent_channels: Optional[int] = None) -> ActivationEstimate:
     """Peak activation bytes of one forward, from the measured table (``offload/activation_model.py``).
 
     ``latent_elements_per_channel`` is the latent's size per batch item and channel (``x[0, 0].numel()``),
-    ``dtype_bytes`` the compute dtype's size. A class the table lacks gets :func:`estimate_activation_bytes`
+    ``dtype_bytes`` the compute dtype's size, ``latent_channels`` ``x.shape[1]``. A class the table lacks gets :func:`estimate_activation_bytes`
     (a heuristic with a 2x2 patch), said so in ``source``.
     """
     for name, value in (("block_width", block_width), ("latent_elements_per_channel", latent_elements_per_channel),
                         ("batch", batch), ("dtype_bytes", dtype_bytes)):
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    found = find_line(model_class, block_width)
+    found = find_line(model_class, block_width, latent_channels)
     if found is None:
         tokens = max(1, latent_elements_per_channel // 4)
         return ActivationEstimate(estimate_activation_bytes(tokens, block_width, dtype_bytes, batch), tokens,

@@ -262,7 +262,8 @@ def test_activation_model_matches_every_row_of_the_measured_table():
         line = line_of[row["family"]]
         latent_elements = int(row["tokens"]) * line.patch_area
         estimate = forward_activation_bytes(line.model_class, int(row["block_width"]), latent_elements,
-                                            batch=int(row["batch"]), dtype_bytes=2)
+                                            batch=int(row["batch"]), dtype_bytes=2,
+                                            latent_channels=int(row["latent_channels"]))
         measured = int(row["peak_bytes"])
         assert estimate.source == f"measured {row['family']}"
         assert abs(estimate.nbytes - measured) <= 0.10 * measured, (row, estimate)
@@ -275,6 +276,10 @@ def test_activation_model_scales_with_dtype_batch_and_unknown_widths():
     assert forward_activation_bytes("WanModel", 5120, 21 * 60 * 104, batch=1, dtype_bytes=4).nbytes == 2 * one.nbytes
     wider = forward_activation_bytes("WanModel", 6000, 21 * 60 * 104)
     assert wider.source == "wan_14b scaled to width 6000" and wider.nbytes > one.nbytes
+    # A Flux 2 of Flux.1's width (128 latent channels, patch 1) takes Flux 2's line, scaled to the width.
+    small_flux2 = forward_activation_bytes("Flux", 3072, 64 * 64, latent_channels=128)
+    assert small_flux2.source == "flux2 scaled to width 3072" and small_flux2.tokens == 4096
+    assert forward_activation_bytes("Flux", 3072, 128 * 128, latent_channels=16).source == "measured flux1"
     other = forward_activation_bytes("SomeNewDiT", 1024, 64 * 64)
     assert other.source == "heuristic" and other.nbytes == estimate_activation_bytes(1024, 1024, 2, 1)
     with pytest.raises(ValueError, match="batch"):
