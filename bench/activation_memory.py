@@ -9,7 +9,10 @@ per block list, and one forward runs under a ``TorchDispatchMode`` that sees eve
 new storage adds its ``nbytes`` to the live total and a ``weakref.finalize`` on it subtracts them when PyTorch
 frees it, so the tracker follows exactly what the caching allocator would be asked for (without its rounding
 to 512-byte blocks). Inputs are allocated inside the tracker; weights are not counted (they are the planner's
-other term). Forward hooks on the blocks record the live bytes at each block's entry and the peak inside it.
+other term). Forward hooks on the blocks record the live bytes at each block's entry and the peak inside it. (PyTorch's
+``torch.distributed._tools.mem_tracker.MemTracker`` keeps the same kind of books, per module and per category of
+training state; at inference with one forward the storage count above is all that is needed, and it lets the
+attention stand-in below be seen for exactly what it allocates.)
 
 Attention: ComfyUI's attention functions are replaced, for the measurement, by a stand-in that allocates what
 PyTorch's CUDA SDPA flash / memory-efficient kernels allocate for the output: the output itself (in the
