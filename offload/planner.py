@@ -146,8 +146,8 @@ def forward_activation_bytes(model_class: str, block_width: int, latent_elements
     """Peak activation bytes of one forward, from the measured table (``offload/activation_model.py``).
 
     ``latent_elements_per_channel`` is the latent's size per batch item and channel (``x[0, 0].numel()``),
-    ``dtype_bytes`` the compute dtype's size, ``latent_channels`` ``x.shape[1]``. A class the table lacks gets :func:`estimate_activation_bytes`
-    (a heuristic with a 2x2 patch), said so in ``source``.
+    ``dtype_bytes`` the compute dtype's size, ``latent_channels`` ``x.shape[1]``. A class the table lacks
+    gets :func:`estimate_activation_bytes` (a heuristic with a 2x2 patch), said so in ``source``.
     """
     for name, value in (("block_width", block_width), ("latent_elements_per_channel", latent_elements_per_channel),
                         ("batch", batch), ("dtype_bytes", dtype_bytes)):
