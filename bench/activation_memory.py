@@ -45,8 +45,8 @@ from torch.utils._pytree import tree_leaves
 
 HERE = Path(__file__).resolve().parent
 FIELDS = ("family", "label", "resolution", "main", "batch", "dtype", "latent_channels", "tokens", "block_width",
-          "peak_bytes", "forward_peak_bytes", "block_peak_bytes", "block_entry_bytes", "outside_peak_bytes", "latent_bytes",
-          "attention_calls", "measured_max_allocated_bytes")
+          "peak_bytes", "forward_peak_bytes", "block_peak_bytes", "block_entry_bytes", "outside_peak_bytes",
+          "latent_bytes", "attention_calls", "measured_max_allocated_bytes")
 
 
 def _load_comfy_env():

@@ -63,7 +63,8 @@ def _flux_inputs(text_tokens: int, text_dim: int, pooled: int = 0):
 
 def _text_inputs(text_tokens: int, text_dim: int, timestep: str = "timestep", **extra):
     def make(x, batch, dtype):
-        out = {timestep: _empty(batch, dtype=torch.float32), "context": _empty(batch, text_tokens, text_dim, dtype=dtype)}
+        out = {timestep: _empty(batch, dtype=torch.float32),
+               "context": _empty(batch, text_tokens, text_dim, dtype=dtype)}
         for key, value in extra.items():
             out[key] = value(batch, dtype) if callable(value) else value
         return out
