@@ -24,7 +24,8 @@ DEVICE_PYTHON="${DEVICE_PYTHON:-3.12}"
 [[ -f "$SRC/main.py" && -d "$SRC/comfy" ]] || { echo "no ComfyUI at $SRC (run scripts/setup_env.sh)" >&2; exit 1; }
 
 mkdir -p .gpu
-grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> "$(git rev-parse --git-path info/exclude)"
+EXCLUDE="$(git rev-parse --git-path info/exclude)"  # in a worktree .git is a file; this finds the real one
+grep -qxF '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"
 rm -rf .gpu/ComfyUI  # the uncompressed copy of earlier versions of this script
 
 pack_comfyui() {  # $1: ComfyUI folder, $2: tarball to write
