@@ -184,11 +184,11 @@ def measure_meta(spec, case, batch: int, dtype: torch.dtype) -> dict:
                 outside_peak_bytes=tracker.outside_peak, latent_bytes=latent_bytes, attention_calls=len(calls))
 
 
-def measure_cuda(spec, case, batch: int, dtype: torch.dtype) -> int:
+def measure_cuda(spec, case, batch: int, dtype: torch.dtype, device: str = "cuda") -> int:
     """``torch.cuda.max_memory_allocated`` of one forward, ComfyUI's attention as it is on the GPU, counted the way
     :func:`measure_meta` counts: the inputs, what the forward allocates beyond the weights, + 3 latents."""
-    model = spec.build(dtype).to_empty(device="cuda").eval()  # uninitialised weights: only memory is measured
-    with torch.no_grad(), torch.device("cuda"):
+    model = spec.build(dtype).to_empty(device=device).eval()  # uninitialised weights: only memory is measured
+    with torch.no_grad(), torch.device(device):
         x = torch.zeros((batch,) + tuple(case.latent), dtype=dtype)
         kwargs = {k: (v.zero_() if isinstance(v, torch.Tensor) else v) for k, v in spec.inputs(x, batch, dtype).items()}
         inputs = sum(t.untyped_storage().nbytes() for t in [x, *kwargs.values()] if isinstance(t, torch.Tensor))
