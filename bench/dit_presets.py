@@ -26,7 +26,7 @@ import torch
 
 from ..devtools.comfy_env import with_fields_this_comfyui_needs
 
-__all__ = ["Preset", "PRESETS", "build", "conditioning", "sample", "parse_blocks"]
+__all__ = ["Preset", "PRESETS", "build", "check_resolves", "conditioning", "sample", "parse_blocks"]
 
 
 @dataclass(frozen=True)
@@ -122,6 +122,18 @@ def _comfy():
     return mm, comfy.supported_models, comfy.model_patcher, comfy.sample
 
 
+def check_resolves(preset: "Preset | str", supported_models) -> str:
+    """The preset's ComfyUI config class accepts its unet_config in this ComfyUI (no model is built);
+    returns the class name. What the dry runs of bench/gpu_run.sh check before any CUDA call."""
+    preset = PRESETS[preset] if isinstance(preset, str) else preset
+    cfg_cls = getattr(supported_models, preset.comfy_config, None)
+    if cfg_cls is None:
+        raise RuntimeError(f"this ComfyUI has no supported_models.{preset.comfy_config} (preset {preset.name})")
+    if not cfg_cls.matches({**cfg_cls.unet_config, **preset.config_with_blocks()}):
+        raise RuntimeError(f"{preset.comfy_config}.matches() rejects preset {preset.name} on this ComfyUI")
+    return preset.comfy_config
+
+
 @torch.no_grad()
 def init_random_weights(module: torch.nn.Module, seed: int, device: torch.device) -> None:
     """Fill every parameter from ``seed``: matrices ~ N(0, 1/fan_in), 1-D norm scales ~ 1 + N(0, 0.02),
@@ -140,9 +152,10 @@ def init_random_weights(module: torch.nn.Module, seed: int, device: torch.device
 
 
 def build(preset: "Preset | str", seed: int = 0, dtype: Optional[torch.dtype] = None,
-          blocks: Optional[Sequence[int]] = None):
+          blocks: Optional[Sequence[int]] = None, patcher_class=None):
     """A ModelPatcher of ``preset`` with random weights, built the way
-    ``comfy.sd.load_diffusion_model_state_dict`` builds one (config class -> ``get_model`` -> patcher)."""
+    ``comfy.sd.load_diffusion_model_state_dict`` builds one (config class -> ``get_model`` -> patcher).
+    ``patcher_class``: e.g. ComfyUI 0.14.1's ``CoreModelPatcher`` once dynamic VRAM is on (default ModelPatcher)."""
     preset = PRESETS[preset] if isinstance(preset, str) else preset
     mm, supported_models, model_patcher, _ = _comfy()
     cfg_cls = getattr(supported_models, preset.comfy_config)
@@ -156,7 +169,8 @@ def build(preset: "Preset | str", seed: int = 0, dtype: Optional[torch.dtype] = 
     model = model_config.get_model({}, "").to(offload_device)
     init_random_weights(model.diffusion_model, seed, load_device)
     model.eval()
-    return model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
+    patcher_class = patcher_class or model_patcher.ModelPatcher
+    return patcher_class(model, load_device=load_device, offload_device=offload_device)
 
 
 def conditioning(preset: "Preset | str", seed: int = 0):

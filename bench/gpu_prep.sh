@@ -4,31 +4,63 @@
 #
 #   bash bench/gpu_prep.sh
 #
-# It makes (all ignored by git through .git/info/exclude, never committed):
-#   .gpu/ComfyUI/   a copy of the ComfyUI checkout ($COMFYUI_PATH or .comfyui/ComfyUI), minus its tests and model files (~23 MB)
-#   .gpu/wheels/    wheels of what ComfyUI needs at import and the GPU image lacks: torchsde + trampoline
-#                   (pure Python; the image already has torch, einops, transformers, safetensors, scipy, psutil,
-#                   pyyaml, pillow, tqdm, aiohttp, matplotlib). The benchmark imports ComfyUI without its
-#                   `nodes` module, so av, kornia, spandrel and the frontend are not needed.
+# It makes (all ignored by git through .git/info/exclude, never committed; ~45 MB, inside the device tool's 64 MiB):
+#   .gpu/comfyui-0.3.75.tar.gz   ComfyUI 0.3.75 ($COMFYUI_PATH or .comfyui/ComfyUI), minus tests and model files
+#   .gpu/comfyui-0.14.1.tar.gz   ComfyUI 0.14.1 (.comfyui/ComfyUI-0.14.1, else $COMFYUI_014_TARBALL), the same way
+#   .gpu/wheels/                 torchsde + trampoline (pure Python; both ComfyUIs import them, the GPU image lacks them)
+#   .gpu/wheels-0.14.1/          comfy-aimdo and comfy-kitchen for the device's Python ($DEVICE_PYTHON, default 3.12),
+#                                the versions .venv-0.14.1 has; comfy-kitchen without its ROCm kernel library
+#                                (150 MB unpacked, never loaded on NVIDIA: comfy_kitchen imports it only under HIP)
 # Then, on the GPU machine (device tool): carry [".gpu"], command "bash bench/gpu_run.sh".
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 SRC="${COMFYUI_PATH:-$ROOT/.comfyui/ComfyUI}"
-[[ -f "$SRC/main.py" && -d "$SRC/comfy" ]] || { echo "no ComfyUI at $SRC (run scripts/setup_env.sh)" >&2; exit 1; }
+SRC14="${COMFYUI_014_PATH:-$ROOT/.comfyui/ComfyUI-0.14.1}"
+TARBALL14="${COMFYUI_014_TARBALL:-/work/shared/comfyui/ComfyUI-0.14.1.tar.gz}"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
+PY14="${PYTHON_014:-$ROOT/.venv-0.14.1/bin/python}"
+DEVICE_PYTHON="${DEVICE_PYTHON:-3.12}"
+[[ -f "$SRC/main.py" && -d "$SRC/comfy" ]] || { echo "no ComfyUI at $SRC (run scripts/setup_env.sh)" >&2; exit 1; }
 
 mkdir -p .gpu
-grep -qxF '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+EXCLUDE="$(git rev-parse --git-path info/exclude)"  # in a worktree .git is a file; this finds the real one
+grep -qxF '/.gpu/' "$EXCLUDE" 2>/dev/null || echo '/.gpu/' >> "$EXCLUDE"
+rm -rf .gpu/ComfyUI  # the uncompressed copy of earlier versions of this script
 
-rm -rf .gpu/ComfyUI && mkdir -p .gpu/ComfyUI
-tar -C "$SRC" --exclude=./tests --exclude=./tests-unit --exclude=./.git --exclude='__pycache__' \
-    --exclude=./output --exclude=./temp --exclude=./user --exclude=./models -cf - . | tar -C .gpu/ComfyUI -xf -
-mkdir -p .gpu/ComfyUI/models  # model files are not needed: the benchmark builds its models in-process
-rm -f .gpu/ComfyUI/extra_model_paths.yaml
+pack_comfyui() {  # $1: ComfyUI folder, $2: tarball to write
+    tar -C "$1" --exclude=./tests --exclude=./tests-unit --exclude=./.git --exclude='__pycache__' --exclude=./output \
+        --exclude=./temp --exclude=./user --exclude=./models --exclude=./extra_model_paths.yaml -czf "$2" .
+}
+pack_comfyui "$SRC" .gpu/comfyui-0.3.75.tar.gz
+if [[ -f "$SRC14/main.py" ]]; then
+    pack_comfyui "$SRC14" .gpu/comfyui-0.14.1.tar.gz
+else
+    cp "$TARBALL14" .gpu/comfyui-0.14.1.tar.gz
+fi
 
-mkdir -p .gpu/wheels
-"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+rm -rf .gpu/wheels .gpu/wheels-0.14.1 && mkdir -p .gpu/wheels .gpu/wheels-0.14.1
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$DEVICE_PYTHON" --implementation cp \
     -d .gpu/wheels torchsde==0.2.6 trampoline==0.1.2
-du -sh .gpu/ComfyUI .gpu/wheels
-echo "[gpu_prep] ready: carry [\".gpu\"] and run: bash bench/gpu_run.sh"
+version_of() { "$PY14" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || echo "$2"; }
+AIMDO="$(version_of comfy-aimdo 0.6.0)"
+KITCHEN="$(version_of comfy-kitchen 0.2.40)"
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$DEVICE_PYTHON" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    -d .gpu/wheels-0.14.1 "comfy-aimdo==$AIMDO" "comfy-kitchen==$KITCHEN"
+"$PY" - .gpu/wheels-0.14.1/comfy_kitchen-*.whl <<'EOF'
+import sys, zipfile, os
+path = sys.argv[1]
+drop = "comfy_kitchen/backends/hip/_C"
+with zipfile.ZipFile(path) as src, zipfile.ZipFile(path + ".tmp", "w", zipfile.ZIP_DEFLATED) as dst:
+    for item in src.infolist():
+        if item.filename.startswith(drop):
+            continue
+        data = src.read(item)
+        if item.filename.endswith(".dist-info/RECORD"):
+            data = b"".join(line for line in data.splitlines(True) if not line.startswith(drop.encode()))
+        dst.writestr(item, data)
+os.replace(path + ".tmp", path)
+EOF
+du -sh .gpu/* .gpu
+echo "[gpu_prep] ready for a device Python $DEVICE_PYTHON: carry [\".gpu\"] and run: bash bench/gpu_run.sh"

@@ -185,6 +185,7 @@ def import_comfyui(path: Optional[PathLike] = None, *, cpu: bool = True, import_
 #: ComfyUI's own detector gives a checkpoint of that family: (module, params dataclass, {field: value}).
 _NEWER_REQUIRED_FIELDS = {
     "flux": ("comfy.ldm.flux.model", "FluxParams", {"txt_ids_dims": []}),  # 0.14.1: Flux.1 has none
+    "flux2": ("comfy.ldm.flux.model", "FluxParams", {"txt_ids_dims": [3]}),
     "hunyuan_video": ("comfy.ldm.hunyuan_video.model", "HunyuanVideoParams", {"meanflow_sum": False}),
 }
 

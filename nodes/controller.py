@@ -22,7 +22,8 @@ import comfy.model_management
 from ..offload.device_backend import normalize_device
 from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
 from ..offload.advice import RunReport, recommend
-from ..offload.planner import describe, estimate_activation_bytes, plan_residency
+from ..offload.activation_model import block_width
+from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
 from .discovery import DiscoveredBlocks
 
 log = logging.getLogger("layerwise_offload")
@@ -242,22 +243,33 @@ class OffloadController:
 
     # ----------------------------------------------------------------- sampling
     def _plan_auto(self, x: torch.Tensor) -> None:
-        """Keep as many leading blocks as fit in what ComfyUI says is free on the device now."""
+        """Keep as many leading blocks as fit in what ComfyUI says is free on the device now, next to the
+        activations of this latent (the measured model of offload/activation_model.py) and ComfyUI's reserve."""
         held = self.manager.device_bytes()  # ours already: a new plan may reuse it
         free = int(comfy.model_management.get_free_memory(self.device)) + held
         reserve = int(comfy.model_management.minimum_inference_memory())
-        tokens = max(1, x[0, 0].numel() // 4)  # DiTs patchify latents 2x2 (Flux, Wan, Qwen, Hunyuan, SD3, Lumina)
-        activations = estimate_activation_bytes(tokens, self._hidden_size(), x.element_size(), batch=x.shape[0])
-        plan = plan_residency(self.manager.block_nbytes(), free, reserve_bytes=reserve, activation_bytes=activations,
-                              prefetch_size=self.config.prefetch_size, policy=self.config.policy)
+        activations = forward_activation_bytes(
+            type(self.diffusion_model).__name__, self._hidden_size(), max(1, x[0, 0].numel()),
+            batch=max(1, x.shape[0]), dtype_bytes=self._compute_dtype_bytes(x), latent_channels=x.shape[1])
+        plan = plan_residency(self.manager.block_nbytes(), free, reserve_bytes=reserve,
+                              activation_bytes=activations.nbytes, prefetch_size=self.config.prefetch_size,
+                              policy=self.config.policy)
         if plan != self.last_plan:
-            log.info(describe(plan))
+            log.info("%s; activations %s (%d tokens x %d, %s)", describe(plan), format_bytes(activations.nbytes),
+                     activations.tokens, x.shape[0], activations.source)
         self.last_plan = plan
+        self.last_activations = activations
         self.config = dataclasses.replace(self.config, resident_layers=plan.resident_count)
 
+    def _compute_dtype_bytes(self, x: torch.Tensor) -> int:
+        """The model computes in its own dtype (the latent arrives in float32 and is cast); fp8 weights
+        compute in at least 16 bits."""
+        get_dtype = getattr(self.base_model, "get_dtype", lambda: None)
+        dtype = getattr(self.base_model, "manual_cast_dtype", None) or get_dtype()
+        return max(2, dtype.itemsize) if isinstance(dtype, torch.dtype) else x.element_size()
+
     def _hidden_size(self) -> int:
-        widths = [m.in_features for m in self.discovered.blocks[0].modules() if isinstance(m, nn.Linear)]
-        return min(widths) if widths else 1
+        return block_width(self.discovered.blocks[0])
 
     @contextmanager
     def forward(self, patcher, x: Optional[torch.Tensor] = None):

@@ -29,9 +29,10 @@ TOOLTIPS = {
     "model": "A diffusion transformer from a model loader (Load Diffusion Model / Load Checkpoint).",
     "resident_layers": (
         "How many of the first blocks the model runs stay in VRAM for the whole run. Each resident block "
-        "is never copied again; the rest are copied in every step. 0 streams every block. Raise it until "
-        "VRAM is nearly full; values above the block count keep everything resident. -1 (auto) keeps as "
-        "many as fit in the free VRAM at the first step of each run, after room for activations."),
+        "is never copied again; the rest are copied in every step. -1 (auto, the default) keeps as many as "
+        "fit in the free VRAM at the first step of each run, after room for this latent's activations and "
+        "ComfyUI's reserve. A number of your own wins: 0 streams every block; values above the block count "
+        "keep everything resident."),
     "prefetch_size": (
         "How many streamed blocks are copied ahead of the one computing. 1 is enough when copies are "
         "hidden behind compute; each extra block costs one block of VRAM."),
@@ -43,7 +44,7 @@ TOOLTIPS = {
         "is short; copies get slower."),
 }
 
-DEFAULTS = {"resident_layers": 0, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True}
+DEFAULTS = {"resident_layers": AUTO_RESIDENT, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True}
 MAX_RESIDENT_LAYERS = 4096
 MAX_PREFETCH = 64
 MIN_RESIDENT_LAYERS = AUTO_RESIDENT
@@ -67,7 +68,20 @@ def offload_stats_text(model) -> str:
         return "This MODEL is not offloaded: connect the output of a Layerwise Offload node."
     if controller.last_report is None:
         return "No sampling run finished yet with this model: queue the prompt, then read this again."
-    return f"{controller.last_report.figures()}\n{controller.last_recommendation}"
+    text = f"{controller.last_report.figures()}\n{controller.last_recommendation}"
+    return text if not controller.auto else f"{auto_plan_text(controller)}\n{text}"
+
+
+def auto_plan_text(controller) -> str:
+    """The auto plan in the words of its log line, without the log prefix."""
+    from ..offload.planner import describe, format_bytes
+    if controller.last_plan is None:
+        return "auto plan: not made yet"
+    line = describe(controller.last_plan).replace("[layerwise-offload] ", "", 1)
+    activations = getattr(controller, "last_activations", None)
+    if activations is not None:
+        line += f"; activations {format_bytes(activations.nbytes)} ({activations.source})"
+    return line
 
 
 def residency_policy_problem(value) -> "str | None":
@@ -81,7 +95,7 @@ def cpu_loopback_requested() -> bool:
     return os.environ.get(CPU_LOOPBACK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def offload_model(model, resident_layers=0, prefetch_size=1, residency_policy="leading", pin_memory=True):
+def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy="leading", pin_memory=True):
     """The node's work: a clone of ``model`` whose transformer blocks are managed by the offload."""
     # Page-locking only speeds up copies to an accelerator; on the CPU loopback it would only warn.
     auto = resident_layers == AUTO_RESIDENT

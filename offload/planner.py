@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
+from .activation_model import find_line, line_bytes, tokens_for
 from .config import POLICIES
 from .schedule import choose_resident_blocks
 
-__all__ = ["ResidencyPlan", "plan_residency", "estimate_activation_bytes", "describe", "format_bytes"]
+__all__ = ["ResidencyPlan", "plan_residency", "ActivationEstimate", "forward_activation_bytes",
+           "estimate_activation_bytes", "describe", "format_bytes"]
 
 
 @dataclass(frozen=True)
@@ -131,10 +133,42 @@ def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes
     raise AssertionError("unreachable: count 0 always returns")
 
 
+@dataclass(frozen=True)
+class ActivationEstimate:
+    nbytes: int
+    tokens: int
+    source: str  # "measured <family>", "<family> scaled to width W", or "heuristic"
+
+
+def forward_activation_bytes(model_class: str, block_width: int, latent_elements_per_channel: int,
+                             batch: int = 1, dtype_bytes: int = 2,
+                             latent_channels: Optional[int] = None) -> ActivationEstimate:
+    """Peak activation bytes of one forward, from the measured table (``offload/activation_model.py``).
+
+    ``latent_elements_per_channel`` is the latent's size per batch item and channel (``x[0, 0].numel()``),
+    ``dtype_bytes`` the compute dtype's size, ``latent_channels`` ``x.shape[1]``. A class the table lacks
+    gets :func:`estimate_activation_bytes` (a heuristic with a 2x2 patch), said so in ``source``.
+    """
+    for name, value in (("block_width", block_width), ("latent_elements_per_channel", latent_elements_per_channel),
+                        ("batch", batch), ("dtype_bytes", dtype_bytes)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    found = find_line(model_class, block_width, latent_channels)
+    if found is None:
+        tokens = max(1, latent_elements_per_channel // 4)
+        return ActivationEstimate(estimate_activation_bytes(tokens, block_width, dtype_bytes, batch), tokens,
+                                  "heuristic")
+    line, scale = found
+    tokens = tokens_for(line, latent_elements_per_channel)
+    source = f"measured {line.family}" if scale == 1.0 else f"{line.family} scaled to width {block_width}"
+    return ActivationEstimate(line_bytes(line, tokens, batch, dtype_bytes, scale), tokens, source)
+
+
 def estimate_activation_bytes(tokens: int, hidden: int, dtype_bytes: int = 2, batch: int = 1, *,
                               live_hidden_tensors: int = 6, mlp_ratio: float = 4.0,
                               attention_heads: int = 0, score_bytes: int = 4) -> int:
-    """A rough peak-activation estimate for one DiT block forward. A heuristic, not a measurement.
+    """A rough peak-activation estimate for one DiT block forward. A heuristic, not a measurement: the
+    fallback of :func:`forward_activation_bytes` for models the measured table does not cover.
 
     Per token and batch item it counts ``live_hidden_tensors`` hidden-sized tensors alive at once
     (residual stream, normed input, q, k, v, attention output) plus the MLP's intermediate

@@ -8,8 +8,9 @@ import comfy.model_management as mm
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.offload_node import offload_model, offload_stats_text
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
-from layerwise_offload.nodes.v1 import LayerwiseOffloadStatsV1
-from layerwise_offload.offload.planner import estimate_activation_bytes, plan_residency
+from layerwise_offload.nodes.v1 import LayerwiseOffloadStatsV1, LayerwiseOffloadV1
+from layerwise_offload.nodes.offload_node import DEFAULTS
+from layerwise_offload.offload.planner import forward_activation_bytes, plan_residency
 
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
@@ -27,9 +28,11 @@ def fake_free_memory(monkeypatch, free_bytes):
 
 
 def wan_activation_bytes():
+    """The measured Wan line (nearest width 1536, scaled to the tiny model's 256), float32, cond + uncond."""
     latent = tiny_dits.TINY_FAMILIES["wan21"].latent_shape  # (1, 16, 2, 8, 8)
-    tokens = 2 * 8 * 8 // 4
-    return estimate_activation_bytes(tokens, 256, 4, batch=2 * latent[0])  # cond + uncond batched
+    estimate = forward_activation_bytes("WanModel", 256, 2 * 8 * 8, batch=2 * latent[0], dtype_bytes=4)
+    assert estimate.source == "wan_1_3b scaled to width 256"
+    return estimate.nbytes
 
 
 def test_auto_keeps_as_many_blocks_as_the_faked_free_memory_allows(monkeypatch):
@@ -62,6 +65,24 @@ def test_auto_keeps_as_many_blocks_as_the_faked_free_memory_allows(monkeypatch):
     want_unbatched = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
     assert torch.equal(tiny_dits.sample(model, seed=3), want_unbatched)
     assert manager.schedule.resident_blocks == ()
+
+
+def test_auto_is_the_default_and_the_stats_node_shows_its_plan():
+    assert DEFAULTS["resident_layers"] == -1
+    assert LayerwiseOffloadV1.INPUT_TYPES()["required"]["resident_layers"][1]["default"] == -1
+    model = offload_model(tiny_dits.build_tiny("wan21"))  # every setting at its default
+    controller = controller_of(model)
+    assert controller.auto
+    tiny_dits.sample(model, seed=3)
+    text = offload_stats_text(model)
+    plan_line = text.splitlines()[0]
+    assert plan_line.startswith(f"auto plan: {controller.last_plan.resident_count}/4 blocks resident")
+    assert "activations" in plan_line and "(wan_1_3b scaled to width 256)" in plan_line
+    # A user's number wins over auto: no plan line, the count asked for.
+    fixed = offload_model(tiny_dits.build_tiny("wan21"), 2)
+    tiny_dits.sample(fixed, seed=3)
+    assert not controller_of(fixed).auto and controller_of(fixed).manager.resident_count() == 2
+    assert not offload_stats_text(fixed).startswith("auto plan")
 
 
 def test_run_telemetry_counts_streamed_bytes_times_forwards():

@@ -77,8 +77,8 @@ def test_object_info_describes_the_node(object_info):
         "model", "resident_layers", "prefetch_size", "residency_policy", "pin_memory"]
     assert req["model"][0] == "MODEL"
     typ, opts = req["resident_layers"]
-    assert (typ, opts["default"]) == ("INT", 0)
-    # 0 streams everything; -1 is "auto" (as many as fit), and nothing below.
+    assert (typ, opts["default"]) == ("INT", -1)
+    # -1 (auto, the default) keeps as many as fit; 0 streams everything; nothing below -1.
     assert opts["min"] == -1 and "auto" in opts["tooltip"].lower()
     assert "LayerwiseOffloadStats" in object_info
     typ, opts = req["prefetch_size"]

@@ -1,14 +1,17 @@
 """Auto-sizing the resident count: synthetic block sizes against synthetic budgets."""
 
+import csv
 import itertools
 import random
+from pathlib import Path
 
 import pytest
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import LayerwiseOffloadManager, choose_resident_blocks
+from layerwise_offload.offload.activation_model import LINES
 from layerwise_offload.offload.planner import (
-    ResidencyPlan, describe, estimate_activation_bytes, format_bytes, plan_residency)
+    ResidencyPlan, describe, estimate_activation_bytes, format_bytes, forward_activation_bytes, plan_residency)
 
 MiB = 2**20
 GiB = 2**30
@@ -239,3 +242,45 @@ def test_describe_matches_the_documented_line():
     assert format_bytes(5 * MiB) == "5.0 MiB"
     assert format_bytes(12) == "12 B"
     assert format_bytes(-2 * GiB) == "-2.0 GiB"
+
+
+# ----------------------------------------------------------------- the measured activation model
+ACTIVATION_TABLE = Path(__file__).resolve().parents[2] / "bench" / "results" / "activation_memory.csv"
+
+
+def _table_rows():
+    with open(ACTIVATION_TABLE, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_activation_model_matches_every_row_of_the_measured_table():
+    rows = _table_rows()
+    families = {row["family"] for row in rows}
+    assert families == {line.family for line in LINES}, "a table family without a fitted line, or the reverse"
+    line_of = {line.family: line for line in LINES}
+    for row in rows:
+        line = line_of[row["family"]]
+        latent_elements = int(row["tokens"]) * line.patch_area
+        estimate = forward_activation_bytes(line.model_class, int(row["block_width"]), latent_elements,
+                                            batch=int(row["batch"]), dtype_bytes=2,
+                                            latent_channels=int(row["latent_channels"]))
+        measured = int(row["peak_bytes"])
+        assert estimate.source == f"measured {row['family']}"
+        assert abs(estimate.nbytes - measured) <= 0.10 * measured, (row, estimate)
+
+
+def test_activation_model_scales_with_dtype_batch_and_unknown_widths():
+    one = forward_activation_bytes("WanModel", 5120, 21 * 60 * 104, batch=1, dtype_bytes=2)
+    assert one.tokens == 32760
+    assert forward_activation_bytes("WanModel", 5120, 21 * 60 * 104, batch=2, dtype_bytes=2).nbytes == 2 * one.nbytes
+    assert forward_activation_bytes("WanModel", 5120, 21 * 60 * 104, batch=1, dtype_bytes=4).nbytes == 2 * one.nbytes
+    wider = forward_activation_bytes("WanModel", 6000, 21 * 60 * 104)
+    assert wider.source == "wan_14b scaled to width 6000" and wider.nbytes > one.nbytes
+    # A Flux 2 of Flux.1's width (128 latent channels, patch 1) takes Flux 2's line, scaled to the width.
+    small_flux2 = forward_activation_bytes("Flux", 3072, 64 * 64, latent_channels=128)
+    assert small_flux2.source == "flux2 scaled to width 3072" and small_flux2.tokens == 4096
+    assert forward_activation_bytes("Flux", 3072, 128 * 128, latent_channels=16).source == "measured flux1"
+    other = forward_activation_bytes("SomeNewDiT", 1024, 64 * 64)
+    assert other.source == "heuristic" and other.nbytes == estimate_activation_bytes(1024, 1024, 2, 1)
+    with pytest.raises(ValueError, match="batch"):
+        forward_activation_bytes("Flux", 3072, 4096, batch=0)
