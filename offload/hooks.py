@@ -23,8 +23,9 @@ class HookMixin:
             self._hooks.append(block.register_forward_hook(self._make_post_hook(index), always_call=True))
         if root is not None:
             self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
+            # After an exception PyTorch calls this hook with no output: that forward is not learned from.
             self._hooks.append(root.register_forward_hook(
-                lambda module, args, output: self.end_forward(), always_call=True))
+                lambda module, args, output: self.end_forward(completed=output is not None), always_call=True))
         return self
 
     def remove_hooks(self) -> None:
