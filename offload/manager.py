@@ -39,7 +39,8 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
     """Keeps the leading (or strided) blocks on ``device`` and streams the rest from host memory.
 
     Args:
-        blocks: the transformer blocks in the order the model runs them (several lists joined).
+        blocks: the transformer blocks, several lists joined in the order the model runs them; residency
+            follows this order, prefetch the order each forward really ran (see call_order.py).
         device: the compute device. ``cpu`` runs the same code path synchronously (CPU loopback).
         config: an :class:`OffloadConfig`; keyword arguments override its fields.
 
@@ -162,12 +163,8 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
 
     @_compiler_disable
     def arm(self) -> None:
-        """Allocate the plan's device memory and queue the resident copies (at the first forward, or
-        earlier when the caller arms outside a recorded forward).
-
-        Everything is allocated before the plan is published: an out-of-memory error leaves the
-        manager unarmed and holding nothing, ready to arm again (with a smaller plan, say).
-        """
+        """Allocate the plan's device memory and queue the resident copies (by the first forward).
+        All is allocated before the plan is published: out of memory leaves it unarmed, holding nothing."""
         if self.armed:
             return
         self.prepare()
