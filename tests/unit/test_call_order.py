@@ -122,3 +122,18 @@ def test_call_order_look_ahead():
     assert order.locate(1, 1) == 1
     assert order.locate(1, 2) == 4  # skipped 3 and 2: the next call of 1
     assert order.locate(3, 3) is None  # 3 ran once already: not in the rest of the record
+
+
+
+def test_the_learned_order_survives_a_new_plan():
+    x = torch.randn(1, 3, 16, generator=torch.Generator().manual_seed(0))
+    model = ToyTransformer(dim=16, hidden=24)
+    model.order = VACE_LIKE
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, prefetch_size=1)
+    with torch.no_grad():
+        model(x)
+        manager.replan(resident_layers=3)  # residency changes, the model's call order does not
+        demand = manager.stats().demand_copies
+        model(x)  # arms the new plan: prefetch follows the learned order from its first block on
+    assert manager.schedule.resident_blocks == (0, 1, 2)
+    assert manager.stats().demand_copies == demand
