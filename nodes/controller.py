@@ -155,6 +155,7 @@ class OffloadController:
         ``extra_memory`` is ComfyUI's budget for more weights on the device (what its partial
         loading would use); the resident count is capped so the plan stays inside it.
         """
+        self.follow_device(device_to)
         self.put_non_block_weights(patcher, device_to)
         self._fit_budget(extra_memory, loaded_before)
         self._use_own_settings()
@@ -242,11 +243,13 @@ class OffloadController:
         return freed
 
     # ----------------------------------------------------------------- sampling
-    def _plan_auto(self, x: torch.Tensor) -> None:
+    def _plan_auto(self, x: torch.Tensor, patcher=None) -> None:
         """Keep as many leading blocks as fit in what ComfyUI says is free on the device now, next to the
         activations of this latent (the measured model of offload/activation_model.py) and ComfyUI's reserve."""
         held = self.manager.device_bytes()  # ours already: a new plan may reuse it
-        free = int(comfy.model_management.get_free_memory(self.device)) + held
+        # Newer ComfyUI asks the patcher (it adds what dynamic-VRAM models could give back).
+        ask = getattr(patcher, "get_free_memory", None)
+        free = int(ask(self.device) if callable(ask) else comfy.model_management.get_free_memory(self.device)) + held
         reserve = int(comfy.model_management.minimum_inference_memory())
         activations = forward_activation_bytes(
             type(self.diffusion_model).__name__, self._hidden_size(), max(1, x[0, 0].numel()),
@@ -274,9 +277,12 @@ class OffloadController:
     @contextmanager
     def forward(self, patcher, x: Optional[torch.Tensor] = None):
         if self.auto and not self._auto_planned_this_run and isinstance(x, torch.Tensor):
-            self._plan_auto(x)
+            self._plan_auto(x, patcher)
             self._auto_planned_this_run = True
         self._use_own_settings()
+        # Allocate before ComfyUI runs the model: newer ComfyUI may record a forward's allocations (its
+        # model compiler, malloc_graph), and our buffers outlive every forward.
+        self.manager.arm()
         self.manager.attach()
         try:
             with self.manager.forward_scope():
@@ -284,6 +290,25 @@ class OffloadController:
         finally:
             self.manager.remove_hooks()
             self.base_model.model_loaded_weight_memory = self.loaded_bytes()
+
+    def rebound(self, patcher) -> "OffloadController":
+        """This output's offload for a clone that holds another model object (newer ComfyUI's
+        ``clone(model_override=...)``, its multi-GPU copies): the same settings over that model's blocks."""
+        from .discovery import discover_blocks
+        diffusion_model = patcher.model.diffusion_model
+        controller = OffloadController(patcher.model, discover_blocks(diffusion_model), patcher.load_device,
+                                       self.config, auto=self.auto)
+        log.info("[layerwise-offload] ComfyUI cloned the offloaded model with another model object; that clone "
+                 "gets an offload of its own (%d blocks)", controller.manager.num_blocks)
+        return controller
+
+    def follow_device(self, device) -> None:
+        """ComfyUI loads this model onto another device than planned (a multi-GPU copy): manage it there."""
+        device = normalize_device(torch.device(device))
+        if device != self.device and device.type != "cpu":
+            self.manager = shared_manager(self.diffusion_model, self.discovered, device, self.config)
+            self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
+            self.device = self.manager.device
 
     def begin_run(self, patcher) -> None:
         self.manager.reset_peaks()

@@ -6,6 +6,12 @@ device yet: a block the manager already placed would silently run without its Lo
 takes the model over as an ordinary (non-dynamic) patcher, the way ComfyUI itself demotes a
 dynamic model for torch.compile, and says so in the log; when that is impossible it stops with an
 error that tells what to do. It never streams under dynamic VRAM silently.
+
+ComfyUI's ways to get an ordinary patcher, newest first:
+- ``get_non_dynamic_delegate()``: ComfyUI reloads the weights once and keeps that model for the
+  next call, so running the node again (a changed input) costs no reload;
+- ``clone(disable_dynamic=True)``: reloads the checkpoint from disk on every call;
+- neither (ComfyUI 0.14.1, where dynamic VRAM is opt-in): the user has to start ComfyUI without it.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import logging
 log = logging.getLogger("layerwise_offload")
 
 DISABLE_FLAG = "--disable-dynamic-vram"
+OPT_IN_FLAG = "--fast dynamic_vram"
 
 
 def is_dynamic(patcher) -> bool:
@@ -23,23 +30,59 @@ def is_dynamic(patcher) -> bool:
     return bool(check()) if callable(check) else False
 
 
+def how_to_turn_off() -> str:
+    """The advice that matches the running ComfyUI: a flag to turn dynamic VRAM off, or to drop the opt-in."""
+    try:
+        from comfy.cli_args import PerformanceFeature, args
+    except ImportError:
+        return f"start ComfyUI with {DISABLE_FLAG}"
+    opt_in = hasattr(PerformanceFeature, "DynamicVRAM") and not hasattr(args, "disable_dynamic_vram")
+    if opt_in:  # ComfyUI 0.14: dynamic VRAM only with --fast dynamic_vram (or a bare --fast)
+        return f"start ComfyUI without {OPT_IN_FLAG} (or a bare --fast)"
+    return f"start ComfyUI with {DISABLE_FLAG}"
+
+
 def non_dynamic_patcher(patcher):
-    """``patcher`` itself when it is an ordinary ModelPatcher; a non-dynamic clone otherwise."""
+    """``patcher`` itself when it is an ordinary ModelPatcher; a non-dynamic one of the same model otherwise."""
     if not is_dynamic(patcher):
         return patcher
+    delegate = getattr(patcher, "get_non_dynamic_delegate", None)
     clone = getattr(patcher, "clone")
-    if "disable_dynamic" not in inspect.signature(clone).parameters:
+    if callable(delegate):
+        take_over, how = delegate, "ComfyUI reloads its weights once and keeps them for the next runs"
+    elif "disable_dynamic" in inspect.signature(clone).parameters:
+        take_over, how = (lambda: clone(disable_dynamic=True)), "ComfyUI reloads its weights at each run of the node"
+    else:
         raise RuntimeError(
             f"[layerwise-offload] this ComfyUI loads the model with dynamic VRAM but offers no way to turn it "
-            f"off for one model; start ComfyUI with {DISABLE_FLAG} to use Layerwise Offload")
+            f"off for one model; {how_to_turn_off()} to use Layerwise Offload")
     try:
-        demoted = clone(disable_dynamic=True)
+        demoted = take_over()
     except RuntimeError as error:
         raise RuntimeError(
             f"[layerwise-offload] the model was loaded with ComfyUI's dynamic VRAM and could not be reloaded "
             f"without it ({error}). Load it with a core loader node (Load Diffusion Model, Load Checkpoint) "
-            f"or start ComfyUI with {DISABLE_FLAG}") from error
+            f"or {how_to_turn_off()}") from error
     log.warning("[layerwise-offload] the model was loaded with ComfyUI's dynamic VRAM; the offload takes it over "
-                "as an ordinary model (ComfyUI reloads its weights once). Start ComfyUI with %s to skip the "
-                "reload", DISABLE_FLAG)
+                "as an ordinary model (%s). To skip the reload, %s", how, how_to_turn_off())
     return demoted
+
+
+ATTACHMENT = "layerwise_offload"  # the key of the controller in a patcher's attachments (patcher.py)
+
+
+def rebind_on_clone(parent, clone) -> None:
+    """ComfyUI's ON_CLONE callback. Newer ComfyUI clones with ``model_override`` (multi-GPU copies, the
+    non-dynamic delegate): the clone holds another model object, while the attachment it copied still
+    drives the parent's blocks. Such a clone gets an offload of its own over its own blocks."""
+    controller = getattr(clone, "attachments", {}).get(ATTACHMENT)
+    if controller is None or clone.model is controller.base_model:
+        return
+    clone.attachments[ATTACHMENT] = controller.rebound(clone)
+
+
+def watch_clones(patcher) -> None:
+    """Register :func:`rebind_on_clone` on an offloaded patcher, once (clones inherit it)."""
+    from comfy.patcher_extension import CallbacksMP
+    if rebind_on_clone not in patcher.get_callbacks(CallbacksMP.ON_CLONE, ATTACHMENT):
+        patcher.add_callback_with_key(CallbacksMP.ON_CLONE, ATTACHMENT, rebind_on_clone)

@@ -9,7 +9,7 @@ import comfy.model_management
 
 from ..offload import POLICIES, OffloadConfig, resolve_resident_count
 from .discovery import SUPPORTED_FAMILIES, discover_blocks
-from .dynamic_vram import non_dynamic_patcher
+from .dynamic_vram import non_dynamic_patcher, watch_clones
 from .controller import AUTO_RESIDENT, OffloadController
 from .patcher import make_offloaded_clone
 
@@ -118,7 +118,9 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
              type(diffusion_model).__name__, discovered.family, len(discovered), "+".join(discovered.attributes),
              "auto" if auto else resolve_resident_count(config.resident_layers, len(discovered)), prefetch_size,
              residency_policy, pin)
-    return make_offloaded_clone(model, controller)
+    offloaded = make_offloaded_clone(model, controller)
+    watch_clones(offloaded)
+    return offloaded
 
 
 __all__ = ["offload_model", "offload_stats_text", "residency_policy_problem", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",

@@ -23,8 +23,9 @@ class HookMixin:
             self._hooks.append(block.register_forward_hook(self._make_post_hook(index), always_call=True))
         if root is not None:
             self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
+            # After an exception PyTorch calls this hook with no output: that forward is not learned from.
             self._hooks.append(root.register_forward_hook(
-                lambda module, args, output: self.end_forward(), always_call=True))
+                lambda module, args, output: self.end_forward(completed=output is not None), always_call=True))
         return self
 
     def remove_hooks(self) -> None:
@@ -52,8 +53,10 @@ class HookMixin:
         self.begin_forward()
         try:
             yield self
-        finally:
-            self.end_forward()
+        except BaseException:
+            self.end_forward(completed=False)
+            raise
+        self.end_forward()
 
     @_compiler_disable
     def begin_forward(self) -> None:
@@ -61,8 +64,23 @@ class HookMixin:
         self._forward_bytes = 0
         self._forward_copies = 0
         self.backend.settle(block=False)
+        self._begin_tracking()
 
     @_compiler_disable
-    def end_forward(self) -> None:
+    def end_forward(self, completed: bool = True) -> None:
+        """Close a forward: learn its call order, and make what it prefetched safe to read.
+
+        Blocks prefetched for the next forward point at device memory whose copy may still be in
+        flight on the copy stream. Code outside the hooks (ComfyUI reading weights, a run of this
+        model without the offload) would read them without waiting, so the current stream waits now.
+        """
         self._last_forward_bytes = self._forward_bytes
         self._last_forward_copies = self._forward_copies
+        self._end_tracking(completed)
+        self.wait_for_pending_copies()
+
+    def wait_for_pending_copies(self) -> None:
+        for index, handle in enumerate(self._pending_copy):
+            if handle is not None:
+                self.backend.wait_for_copy(handle)
+                self._pending_copy[index] = None

@@ -21,6 +21,7 @@ from .device_backend import make_backend, normalize_device
 from .host_memory import available_host_bytes
 from .host_store import HostStore, block_parameters, plan_layout
 from .schedule import Schedule, choose_resident_blocks
+from .call_order import CallOrderMixin
 from .hooks import HookMixin
 from .host_side import HostSideMixin
 from .stats import OffloadStats, snapshot
@@ -34,11 +35,12 @@ def _is_inference(named_params) -> bool:
     return bool(named_params) and named_params[0][1].is_inference()
 
 
-class LayerwiseOffloadManager(HookMixin, HostSideMixin):
+class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
     """Keeps the leading (or strided) blocks on ``device`` and streams the rest from host memory.
 
     Args:
-        blocks: the transformer blocks in the order the model runs them (several lists joined).
+        blocks: the transformer blocks, several lists joined in the order the model runs them; residency
+            follows this order, prefetch the order each forward really ran (see call_order.py).
         device: the compute device. ``cpu`` runs the same code path synchronously (CPU loopback).
         config: an :class:`OffloadConfig`; keyword arguments override its fields.
 
@@ -71,6 +73,7 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         self.schedule: Optional[Schedule] = None
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._placeholders: Dict[tuple, torch.Tensor] = {}
+        self._reset_call_tracking()
         self._reset_device_state()
         self._bytes_copied = 0
         self._copies_issued = 0
@@ -131,6 +134,7 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
     def before_block(self, index: int) -> None:
         if not self.armed:
             self.arm()
+        self._track_call(index)
         if not self._materialized[index]:
             self._demand_copies += 1
             self._materialize(index, protect=self._upcoming(index))
@@ -145,19 +149,12 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
     def after_block(self, index: int) -> None:
         if self._running[index] > 0:
             self._running[index] -= 1
-        if self.schedule is not None and not self.schedule.resident[index] and self._running[index] == 0:
+        if self.schedule is None or self.schedule.resident[index] or self._running[index] > 0:
+            return
+        if not self._runs_again_soon(index):
             self._release(index)
-
-    def _upcoming(self, index: int) -> List[int]:
-        return self.schedule.upcoming_streamed(index, self.config.prefetch_size)
-
-    def _prefetch_after(self, index: int) -> None:
-        targets = self._upcoming(index)
-        for target in targets:
-            if self._materialized[target]:
-                continue
-            if not self._materialize(target, protect=targets, may_fail=True):
-                break
+            # Its slot is free now: the look-ahead may want this very block again (next forward).
+            self._prefetch_after(index)
 
     # ----------------------------------------------------------------- arming
     def _make_schedule(self) -> Schedule:
@@ -166,7 +163,8 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
 
     @_compiler_disable
     def arm(self) -> None:
-        """Allocate the plan's device memory and queue the resident copies (done at the first forward)."""
+        """Allocate the plan's device memory and queue the resident copies (by the first forward).
+        All is allocated before the plan is published: out of memory leaves it unarmed, holding nothing."""
         if self.armed:
             return
         self.prepare()
@@ -176,15 +174,18 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         slot_count = min(self.config.prefetch_size + 1, len(streamed))
         slot_bytes = max((sizes[i] for i in streamed), default=0)
         self._move_block_buffers(self.device)
-        self.schedule = schedule
-        self._slots = [self._allocate_device(slot_bytes) for _ in range(slot_count)]
+        residents = {index: self._allocate_device(sizes[index]) for index in schedule.resident_blocks}
+        slots = [self._allocate_device(slot_bytes) for _ in range(slot_count)]
+        self._resident_buffers, self._slots = residents, slots
         self._slot_owner = [None] * slot_count
         # Fresh memory may have been freed by tensors that queued compute work still reads: the first
-        # copy into each slot waits for the compute stream as it is now.
+        # copy into each buffer waits for the compute stream as it is now.
         allocated = self.backend.mark_compute()
         self._slot_free = [allocated] * slot_count
+        self.schedule = schedule
+        self._rebuild_order()
         for index in schedule.resident_blocks:
-            self._materialize(index)
+            self._materialize(index, after=allocated)
         self._note_peaks()
 
     def _allocate_device(self, nbytes: int) -> torch.Tensor:
@@ -199,15 +200,14 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
                         module._buffers[key] = buffer.to(device)
 
     # ----------------------------------------------------------------- copies
-    def _materialize(self, index: int, protect: Iterable[int] = (), may_fail: bool = False) -> bool:
+    def _materialize(self, index: int, protect: Iterable[int] = (), may_fail: bool = False, after=None) -> bool:
         # Buffers and views are of the parameters' kind (see prepare): normal views made under
         # inference_mode would be unusable by autograd later, normal data in an inference parameter fails.
         with torch.inference_mode(self.inference_tensors):
-            return self._materialize_normal(index, protect, may_fail)
+            return self._materialize_normal(index, protect, may_fail, after)
 
-    def _materialize_normal(self, index: int, protect: Iterable[int], may_fail: bool) -> bool:
+    def _materialize_normal(self, index: int, protect: Iterable[int], may_fail: bool, after) -> bool:
         layout = self.store.layouts[index]
-        after = None
         if self.schedule.resident[index]:
             buffer = self._resident_buffers.get(index)
             if buffer is None:
@@ -343,6 +343,7 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
 
     def _reset_device_state(self) -> None:
         self.schedule = None
+        self._order = None
         self._materialized = [False] * self.num_blocks
         self._pending_copy = [None] * self.num_blocks
         self._block_slot: List[Optional[int]] = [None] * self.num_blocks

@@ -52,7 +52,8 @@ def test_bitwise_identical_for_every_family(family):
         stats = manager_of(offloaded).stats()
         streamed = num_blocks - min(resident, num_blocks)
         assert stats.streamed_blocks == streamed
-        assert stats.copies_last_forward == streamed  # the manager really streamed, every forward
+        # The manager really streamed, every forward (streamed blocks that fit in the slots stay there).
+        assert stats.copies_last_forward == (streamed if streamed > prefetch else 0)
         assert stats.peak_materialized_blocks <= min(resident, num_blocks) + prefetch + 1
         mm.unload_all_models()
 

@@ -79,18 +79,21 @@ def test_output_is_bitwise_identical(sample_input, resident, prefetch, policy):
 def test_after_warmup_residents_copy_zero_times_and_streamed_once(sample_input, resident, prefetch, policy):
     model, manager = offloaded(resident_layers=resident, prefetch_size=prefetch, policy=policy)
     with torch.no_grad():
+        model(sample_input)  # learns the call order
         model(sample_input)
         before = list(manager.copies_per_block)
         model(sample_input)
     copies = [after - b for after, b in zip(manager.copies_per_block, before)]
     resident_blocks = set(manager.schedule.resident_blocks)
     assert len(resident_blocks) == resident
+    # Streamed blocks that all fit in the slots at once (no more than prefetch_size) stay there.
+    streamed_copies = 1 if NUM_BLOCKS - resident > prefetch else 0
     for index, count in enumerate(copies):
-        assert count == (0 if index in resident_blocks else 1), f"block {index} copied {count} times"
+        assert count == (0 if index in resident_blocks else streamed_copies), f"block {index} copied {count} times"
     sizes = manager.block_nbytes()
     stats = manager.stats()
-    assert stats.bytes_copied_last_forward == sum(sizes[i] for i in manager.schedule.streamed_blocks)
-    assert stats.copies_last_forward == NUM_BLOCKS - resident
+    assert stats.bytes_copied_last_forward == streamed_copies * sum(sizes[i] for i in manager.schedule.streamed_blocks)
+    assert stats.copies_last_forward == streamed_copies * (NUM_BLOCKS - resident)
     assert stats.demand_copies <= 1  # only the very first streamed block of the very first forward
 
 

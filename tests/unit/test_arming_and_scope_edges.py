@@ -1,0 +1,83 @@
+"""Edges of a forward: running out of device memory while arming, and copies still in flight when it ends."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from layerwise_offload.devtools.toy_transformer import ToyTransformer
+from layerwise_offload.offload import apply_layerwise_offload
+
+
+def _stream_ordering_fakes():
+    """The vector-clock stand-in for ``torch.cuda`` from test_stream_ordering.py (one definition of it)."""
+    path = Path(__file__).with_name("test_stream_ordering.py")
+    spec = importlib.util.spec_from_file_location("layerwise_offload_stream_fakes", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fakes = _stream_ordering_fakes()
+
+
+@pytest.fixture(scope="module")
+def x():
+    return torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+
+
+def out_of_memory_on(call_number, manager):
+    allocate = manager._allocate_device
+    calls = 0
+
+    def failing(nbytes):
+        nonlocal calls
+        calls += 1
+        if calls == call_number:
+            raise torch.OutOfMemoryError(f"test: allocation {call_number} of {nbytes} bytes failed")
+        return allocate(nbytes)
+    return failing
+
+
+@pytest.mark.parametrize("failing_allocation", [1, 2, 3, 4])  # 2 resident buffers, then 2 slots
+def test_out_of_memory_while_arming_leaves_a_usable_manager(x, failing_allocation):
+    with torch.no_grad():
+        want = ToyTransformer()(x)
+    model = ToyTransformer()
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2,
+                                      prefetch_size=1)
+    manager._allocate_device = out_of_memory_on(failing_allocation, manager)
+    with torch.no_grad(), pytest.raises(torch.OutOfMemoryError):
+        model(x)
+    assert not manager.armed
+    assert manager.device_bytes() == 0 and not manager.materialized_blocks()
+    assert manager.hooks_installed
+    del manager._allocate_device  # the memory is back
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+    assert manager.device_bytes() == manager.planned_device_bytes()
+    manager.detach()
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_copies_pending_when_a_forward_ends_are_waited_on_before_outside_reads(x, prefetch):
+    """Blocks prefetched for the next forward stay pointed at slots whose copies may still be running;
+    anything reading the weights after the forward (on the current stream) must see finished copies."""
+    model = ToyTransformer()
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=1,
+                                      prefetch_size=prefetch)
+    fake = fakes.FakeCudaModule()
+    manager.backend = backend = fakes.RecordingBackend(fake)
+    with torch.no_grad():
+        for _ in range(2):
+            model(x)
+            prefetched = [i for i in manager.materialized_blocks() if not manager.schedule.resident[i]]
+            assert prefetched  # the look-ahead wrapped into the next forward
+            read = fake.compute.tick()  # code outside the hooks reads the weights now
+            for index in manager.materialized_blocks():
+                span = fakes.storage_range(model.blocks_in_call_order()[index])
+                writer = [w for w in backend.writes if fakes.overlaps((w[0], w[1]), span)][-1]
+                assert fakes.happens_before(writer[3], read), f"block {index}'s copy may still be running"
+    manager.detach()
