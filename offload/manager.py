@@ -19,6 +19,7 @@ from torch import nn
 from .config import OffloadConfig, resolve_resident_count
 from .device_backend import make_backend, normalize_device
 from .host_memory import available_host_bytes
+from .pinning import default_pinner, return_freed_host_memory
 from .host_store import HostStore, block_parameters, plan_layout
 from .schedule import Schedule, choose_resident_blocks
 from .hooks import HookMixin
@@ -68,6 +69,8 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         # available host memory (replaceable, so tests can pass a figure instead of patching psutil).
         self.pin_cap_bytes: Optional[int] = None
         self.available_host_bytes = available_host_bytes
+        self.pinner = default_pinner(self.device)  # how host buffers are page-locked (None: never)
+        self._last_pin_warning = None
         self.schedule: Optional[Schedule] = None
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._placeholders: Dict[tuple, torch.Tensor] = {}
@@ -176,6 +179,7 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         slot_count = min(self.config.prefetch_size + 1, len(streamed))
         slot_bytes = max((sizes[i] for i in streamed), default=0)
         self._move_block_buffers(self.device)
+        self._sync_pinning(schedule)
         self.schedule = schedule
         self._slots = [self._allocate_device(slot_bytes) for _ in range(slot_count)]
         self._slot_owner = [None] * slot_count
@@ -374,7 +378,9 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
                 with torch.inference_mode(_is_inference(self._named_params[index])):
                     for entry, view in zip(layout.entries, self.store.views(index)):
                         entry.param.data = view.to(target, copy=True)
+            self.store.clear()
             self.store = None
+            return_freed_host_memory()
         self._expected_pointers = [None] * self.num_blocks
         self._move_block_buffers(target)
         self._placeholders = {}
