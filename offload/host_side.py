@@ -99,6 +99,20 @@ class HostSideMixin:
             for index in range(self.num_blocks):
                 store.set_pinned(index, index in chosen)
 
+    def _copy_is_pageable(self, index: int) -> bool:
+        return self.backend.asynchronous and not self.store.is_pinned(index)
+
+    def _drop_store(self, target: torch.device) -> None:
+        """Give every parameter its own copy on ``target``, then unlock and free the store."""
+        for index, layout in enumerate(self.store.layouts):
+            named = self._named_params[index]
+            with torch.inference_mode(bool(named) and named[0][1].is_inference()):
+                for entry, view in zip(layout.entries, self.store.views(index)):
+                    entry.param.data = view.to(target, copy=True)
+        self.store.clear()
+        self.store = None
+        return_freed_host_memory()
+
     def host_memory_shortfall(self) -> Optional[str]:
         """Why packing the blocks not in the store yet would take the host below its safety margin, or None.
 

@@ -152,6 +152,10 @@ class HostStore:
     def pinned(self) -> List[bool]:
         return [b is not None and self.ledger.is_pinned(b) for b in self.buffers]
 
+    def is_pinned(self, index: int) -> bool:
+        buffer = self.buffers[index]
+        return buffer is not None and self.ledger.is_pinned(buffer)
+
     def pinned_nbytes(self) -> int:
         return self.ledger.bytes_pinned
 

@@ -19,7 +19,7 @@ from torch import nn
 from .config import OffloadConfig, resolve_resident_count
 from .device_backend import make_backend, normalize_device
 from .host_memory import available_host_bytes
-from .pinning import default_pinner, return_freed_host_memory
+from .pinning import default_pinner
 from .host_store import HostStore, block_parameters, plan_layout
 from .schedule import Schedule, choose_resident_blocks
 from .hooks import HookMixin
@@ -142,10 +142,12 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
             self.backend.wait_for_copy(handle)
             self._pending_copy[index] = None
         self._running[index] += 1
-        self._prefetch_after(index)
+        self._prefetch_after(index, pageable=False)
 
     @_compiler_disable
     def after_block(self, index: int) -> None:
+        if self.schedule is not None:
+            self._prefetch_after(index, pageable=True)
         if self._running[index] > 0:
             self._running[index] -= 1
         if self.schedule is not None and not self.schedule.resident[index] and self._running[index] == 0:
@@ -154,10 +156,12 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
     def _upcoming(self, index: int) -> List[int]:
         return self.schedule.upcoming_streamed(index, self.config.prefetch_size)
 
-    def _prefetch_after(self, index: int) -> None:
+    def _prefetch_after(self, index: int, pageable: bool) -> None:
+        # A copy from pageable memory is staged by the host and waits for the copy stream: issued before
+        # block ``index`` is launched it would leave the GPU idle, issued after it overlaps its compute.
         targets = self._upcoming(index)
         for target in targets:
-            if self._materialized[target]:
+            if self._materialized[target] or self._copy_is_pageable(target) != pageable:
                 continue
             if not self._materialize(target, protect=targets, may_fail=True):
                 break
@@ -374,13 +378,7 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         self.release_all()
         self.remove_hooks()
         if self.store is not None:
-            for index, layout in enumerate(self.store.layouts):
-                with torch.inference_mode(_is_inference(self._named_params[index])):
-                    for entry, view in zip(layout.entries, self.store.views(index)):
-                        entry.param.data = view.to(target, copy=True)
-            self.store.clear()
-            self.store = None
-            return_freed_host_memory()
+            self._drop_store(target)
         self._expected_pointers = [None] * self.num_blocks
         self._move_block_buffers(target)
         self._placeholders = {}
