@@ -24,6 +24,7 @@ from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_bl
 from ..offload.advice import RunReport, recommend
 from ..offload.planner import describe, estimate_activation_bytes, plan_residency
 from .discovery import DiscoveredBlocks
+from .host_ram import compact_backups, comfyui_pinner
 
 log = logging.getLogger("layerwise_offload")
 
@@ -95,6 +96,7 @@ class OffloadController:
         self.manager = shared_manager(self.diffusion_model, discovered, self.device, self.config)
         self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
         self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
+        self.manager.pinner = comfyui_pinner() or self.manager.pinner
         self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
         self._run_start = None
@@ -130,6 +132,11 @@ class OffloadController:
         """What ComfyUI is told this model needs on the device (``model_size()``)."""
         count = resolve_resident_count(self._effective_config().resident_layers, self.manager.num_blocks)
         return self.non_block_bytes() + self._planned_block_bytes(count)
+
+    def host_ram_bytes(self) -> int:
+        """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
+        host = sum(t.nelement() * t.element_size() for t in self._non_block_tensors() if t.device.type == "cpu")
+        return host + sum(self.manager.block_nbytes())
 
     def loaded_bytes(self) -> int:
         on_device = sum(t.nelement() * t.element_size() for t in self._non_block_tensors()
@@ -200,6 +207,8 @@ class OffloadController:
         for index in sorted(pending):
             for key in pending[index]:
                 patcher.patch_weight_to_device(key, device_to)
+            if self.manager.store is not None:
+                compact_backups(patcher, pending[index], self.manager.store.buffers)
             self.manager.repack_block(index)
         if pending:
             log.info("[layerwise-offload] baked LoRA patches into %d blocks", len(pending))

@@ -113,26 +113,29 @@ class HostSideMixin:
         self.store = None
         return_freed_host_memory()
 
-    def host_memory_shortfall(self) -> Optional[str]:
+    def host_memory_shortfall(self, settings: Optional[str] = None) -> Optional[str]:
         """Why packing the blocks not in the store yet would take the host below its safety margin, or None.
 
         Packing replaces ComfyUI's CPU copy block by block, so the peak extra need is one block.
+        ``settings`` names the caller's settings in the message (the node's inputs, say).
         """
         waiting = [i for i in range(self.num_blocks) if self.store is None or self.store.buffers[i] is None]
         if not waiting:
             return None
         sizes = self.block_nbytes()
         index = max(waiting, key=lambda i: sizes[i])
-        return self._shortfall(index, sizes[index])
+        return self._shortfall(index, sizes[index], settings)
 
-    def _shortfall(self, index: int, nbytes: int) -> Optional[str]:
+    def _shortfall(self, index: int, nbytes: int, settings: Optional[str] = None) -> Optional[str]:
         available = self.available_host_bytes()
         if available is None or available >= nbytes + HOST_OOM_MARGIN_BYTES:
             return None
         config = self.config
+        settings = settings or (f"resident_layers={config.resident_layers}, prefetch_size={config.prefetch_size}, "
+                                f"pin_memory={self.pin_memory}")
         return (f"[layerwise-offload] host memory is short: block {index} needs {nbytes / 2**20:.0f} MiB but only "
-                f"{available / 2**20:.0f} MiB is available (settings: resident_layers={config.resident_layers}, "
-                f"prefetch_size={config.prefetch_size}, pin_memory={self.pin_memory}). Every block is kept in host "
+                f"{available / 2**20:.0f} MiB is available, with a {HOST_OOM_MARGIN_BYTES // 2**20} MiB safety "
+                f"margin ({settings}). Every block is kept in host "
                 f"RAM whatever resident_layers is, so raising it does not help. What helps: unload other models "
                 f"(or restart ComfyUI), a smaller checkpoint or an fp8/GGUF one, pin_memory off (page-locked RAM "
                 f"cannot be swapped out), or more RAM.")
