@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import logging
 import weakref
 from typing import Dict, Optional, Protocol
@@ -23,7 +24,8 @@ import torch
 
 log = logging.getLogger("layerwise_offload")
 
-__all__ = ["Pinner", "CudaHostRegisterPinner", "PinLedger", "default_pinner", "return_freed_host_memory"]
+__all__ = ["Pinner", "CudaHostRegisterPinner", "PinLedger", "default_pinner", "return_freed_host_memory",
+           "trim_after_next_collection"]
 
 
 class Pinner(Protocol):
@@ -70,7 +72,7 @@ class PinLedger:
     def watch(self, owner) -> None:
         """Unlock everything when ``owner`` is garbage collected."""
         if self._finalizer is None:
-            self._finalizer = weakref.finalize(owner, _unpin_all, self.pinner, self._pinned)
+            self._finalizer = weakref.finalize(owner, _owner_dropped, self.pinner, self._pinned)
 
     @property
     def bytes_pinned(self) -> int:
@@ -116,6 +118,11 @@ class PinLedger:
         self.bytes_requested = 0
 
 
+def _owner_dropped(pinner: Optional[Pinner], pinned: Dict[int, torch.Tensor]) -> None:
+    _unpin_all(pinner, pinned)
+    trim_after_next_collection()
+
+
 def _unpin_all(pinner: Optional[Pinner], pinned: Dict[int, torch.Tensor]) -> None:
     for tensor in list(pinned.values()):
         try:
@@ -126,6 +133,28 @@ def _unpin_all(pinner: Optional[Pinner], pinned: Dict[int, torch.Tensor]) -> Non
 
 
 _LIBC = None
+_TRIM_PENDING = False
+
+
+def trim_after_next_collection() -> None:
+    """Return freed heap pages once the garbage collector has run to its end.
+
+    A store dropped with its model (ComfyUI unloading it and clearing its cache) goes with the
+    model's other weights, which are freed only as the collection that found them finishes; a
+    trim right away would come too early. ``gc.callbacks`` runs this after every collection,
+    and does nothing unless something was dropped since.
+    """
+    global _TRIM_PENDING
+    _TRIM_PENDING = True
+    if _trim_when_collected not in gc.callbacks:
+        gc.callbacks.append(_trim_when_collected)
+
+
+def _trim_when_collected(phase: str, info: dict) -> None:
+    global _TRIM_PENDING
+    if phase == "stop" and _TRIM_PENDING:
+        _TRIM_PENDING = False
+        return_freed_host_memory()
 
 
 def return_freed_host_memory() -> bool:
