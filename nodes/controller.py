@@ -305,7 +305,8 @@ class OffloadController:
             copy_seconds=after.copy_seconds - before.copy_seconds,
             stall_seconds=after.stall_seconds - before.stall_seconds,
             run_seconds=time.perf_counter() - started, peak_device_bytes=after.peak_device_bytes,
-            pinned_host_bytes=after.pinned_host_bytes, asynchronous=self.manager.backend.asynchronous)
+            pinned_host_bytes=after.pinned_host_bytes, asynchronous=self.manager.backend.asynchronous,
+            host_bytes=after.host_bytes, pin_requested_bytes=after.host_bytes_requested)
         self.last_report = report
         sizes = self.manager.block_nbytes()
         resident = self.manager.schedule.resident_blocks if self.manager.schedule else ()
