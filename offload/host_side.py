@@ -81,8 +81,9 @@ class HostSideMixin:
         chosen = set()
         if requested:
             available = self.available_host_bytes()
-            already = available if available is None else available + requested
-            allowed = pinnable_bytes(requested, cap=self.pin_cap_bytes, available=already)
+            # The blocks are allocated already: what they take is available to lock them with.
+            spare = None if available is None else available + requested
+            allowed = pinnable_bytes(requested, cap=self.pin_cap_bytes, available=spare)
             total = 0
             for index in sorted(streamed, reverse=True):
                 if total + sizes[index] <= allowed:
