@@ -25,6 +25,7 @@ from ..offload.advice import RunReport, recommend
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
 from .discovery import DiscoveredBlocks
+from .host_ram import compact_backups, comfyui_pinner
 
 log = logging.getLogger("layerwise_offload")
 
@@ -96,6 +97,7 @@ class OffloadController:
         self.manager = shared_manager(self.diffusion_model, discovered, self.device, self.config)
         self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
         self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
+        self.manager.pinner = comfyui_pinner() or self.manager.pinner
         self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
         self._run_start = None
@@ -131,6 +133,11 @@ class OffloadController:
         """What ComfyUI is told this model needs on the device (``model_size()``)."""
         count = resolve_resident_count(self._effective_config().resident_layers, self.manager.num_blocks)
         return self.non_block_bytes() + self._planned_block_bytes(count)
+
+    def host_ram_bytes(self) -> int:
+        """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
+        host = sum(t.nelement() * t.element_size() for t in self._non_block_tensors() if t.device.type == "cpu")
+        return host + sum(self.manager.block_nbytes())
 
     def loaded_bytes(self) -> int:
         on_device = sum(t.nelement() * t.element_size() for t in self._non_block_tensors()
@@ -202,6 +209,8 @@ class OffloadController:
         for index in sorted(pending):
             for key in pending[index]:
                 patcher.patch_weight_to_device(key, device_to)
+            if self.manager.store is not None:
+                compact_backups(patcher, pending[index], self.manager.store.buffers)
             self.manager.repack_block(index)
         if pending:
             log.info("[layerwise-offload] baked LoRA patches into %d blocks", len(pending))
@@ -333,7 +342,8 @@ class OffloadController:
             copy_seconds=after.copy_seconds - before.copy_seconds,
             stall_seconds=after.stall_seconds - before.stall_seconds,
             run_seconds=time.perf_counter() - started, peak_device_bytes=after.peak_device_bytes,
-            pinned_host_bytes=after.pinned_host_bytes, asynchronous=self.manager.backend.asynchronous)
+            pinned_host_bytes=after.pinned_host_bytes, asynchronous=self.manager.backend.asynchronous,
+            host_bytes=after.host_bytes, pin_requested_bytes=after.host_bytes_requested)
         self.last_report = report
         sizes = self.manager.block_nbytes()
         resident = self.manager.schedule.resident_blocks if self.manager.schedule else ()

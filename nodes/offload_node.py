@@ -114,6 +114,11 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     diffusion_model = model.get_model_object("diffusion_model")
     discovered = discover_blocks(diffusion_model)
     controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto)
+    refusal = controller.manager.host_memory_shortfall(
+        f"{DISPLAY_NAME}: resident_layers={-1 if auto else resident_layers}, prefetch_size={prefetch_size}, "
+        f"residency_policy={residency_policy}, pin_memory={pin_memory}")
+    if refusal is not None:  # here, so ComfyUI reports it against this node and its settings, not the sampler
+        raise MemoryError(refusal)
     log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, pin_memory=%s",
              type(diffusion_model).__name__, discovered.family, len(discovered), "+".join(discovered.attributes),
              "auto" if auto else resolve_resident_count(config.resident_layers, len(discovered)), prefetch_size,

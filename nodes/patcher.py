@@ -58,6 +58,10 @@ class LayerwiseOffloadPatcherMixin:
             return super().model_size()
         return controller.planned_footprint()
 
+    def get_ram_usage(self):
+        # ComfyUI's RAM-pressure cache (0.14.1+) reads this, by default model_size(): here the VRAM plan.
+        return self.offload_controller.host_ram_bytes()
+
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         controller = self.offload_controller
         with self.use_ejected(skip_and_inject_on_exit_only=True):

@@ -25,6 +25,8 @@ class RunReport:
     peak_device_bytes: int
     pinned_host_bytes: int
     asynchronous: bool = True  # copies can overlap compute (a copy stream); False on the CPU loopback
+    host_bytes: int = 0  # the host store (every block once)
+    pin_requested_bytes: int = 0  # page-locking asked for (the streamed blocks within the pin budget)
 
     @property
     def gbps(self) -> float:
@@ -39,7 +41,8 @@ class RunReport:
                 f"({format_bytes(self.resident_bytes)}), {format_bytes(self.bytes_per_forward)} copied per forward "
                 f"at {self.gbps:.2f} GB/s, stalled {self.stall_fraction:.0%} of the run "
                 f"({self.stall_seconds:.3f} of {self.run_seconds:.3f} s), peak device "
-                f"{format_bytes(self.peak_device_bytes)}, pinned host {format_bytes(self.pinned_host_bytes)}")
+                f"{format_bytes(self.peak_device_bytes)}, pinned host {format_bytes(self.pinned_host_bytes)} "
+                f"(of {format_bytes(self.pin_requested_bytes)} requested), host store {format_bytes(self.host_bytes)}")
 
 
 def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:

@@ -120,10 +120,14 @@ class CallOrderMixin:
         window = self._window(index)
         return window is not None and index in window
 
-    def _prefetch_after(self, index: int) -> None:
+    def _prefetch_after(self, index: int, pageable: Optional[bool] = None) -> None:
+        """Start the copies of the blocks to run next; ``pageable`` picks only the copies from pageable
+        (True) or page-locked (False) host memory. A pageable copy is staged by the host and waits for the
+        copy stream: issued before block ``index`` is launched it would leave the GPU idle, issued after it
+        overlaps its compute."""
         targets = self._upcoming(index)
         for target in targets:
-            if self._materialized[target]:
+            if self._materialized[target] or (pageable is not None and self._copy_is_pageable(target) != pageable):
                 continue
             if not self._materialize(target, protect=targets, may_fail=True):
                 break

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from .pinning import Pinner, PinLedger
+
 log = logging.getLogger("layerwise_offload")
 
 ALIGNMENT_BYTES = 64
@@ -103,24 +105,19 @@ def plan_layout(named_params: Sequence[Tuple[str, nn.Parameter]]) -> BlockLayout
     return BlockLayout(tuple(entries), _align(offset))
 
 
-def allocate_host_buffer(nbytes: int, pin: bool) -> Tuple[torch.Tensor, bool]:
-    """A uint8 host buffer, page-locked when asked and possible. Returns (buffer, pinned)."""
-    if pin:
-        try:
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
-        except RuntimeError as error:
-            log.warning("[layerwise-offload] could not pin %.1f MiB of host memory (%s); "
-                        "using pageable memory, copies will be slower", nbytes / 2**20, error)
-    return torch.empty(nbytes, dtype=torch.uint8), False
+def allocate_host_buffer(nbytes: int) -> torch.Tensor:
+    """A pageable uint8 host buffer of exactly ``nbytes``; page-locking is the store's pin ledger's job."""
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class HostStore:
     """The authoritative host copy of every managed block's parameters."""
 
-    def __init__(self, layouts: Sequence[BlockLayout]):
+    def __init__(self, layouts: Sequence[BlockLayout], pinner: Optional[Pinner] = None):
         self.layouts = list(layouts)
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(layouts)
-        self.pinned: List[bool] = [False] * len(layouts)
+        self.ledger = PinLedger(pinner)
+        self.ledger.watch(self)  # a store dropped without clear() still unlocks its buffers
         self.pin_failed = False  # after one refusal, stop asking (and warning) for every block
 
     @property
@@ -134,13 +131,13 @@ class HostStore:
         CPU weights, or backups pointing at them) are read, never modified.
         """
         layout = self.layouts[index]
-        buffer, pinned = allocate_host_buffer(layout.nbytes, pin and not self.pin_failed)
-        self.pin_failed = self.pin_failed or (pin and not pinned)
+        self._drop_buffer(index)
+        buffer = allocate_host_buffer(layout.nbytes)
         with torch.no_grad():
             for view, entry in zip(layout.views(buffer), layout.entries):
                 view.copy_(entry.param.data)
         self.buffers[index] = buffer
-        self.pinned[index] = pinned
+        self.set_pinned(index, pin)
 
     def views(self, index: int) -> List[torch.Tensor]:
         buffer = self.buffers[index]
@@ -151,9 +148,46 @@ class HostStore:
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers if b is not None)
 
+    @property
+    def pinned(self) -> List[bool]:
+        return [b is not None and self.ledger.is_pinned(b) for b in self.buffers]
+
+    def is_pinned(self, index: int) -> bool:
+        buffer = self.buffers[index]
+        return buffer is not None and self.ledger.is_pinned(buffer)
+
     def pinned_nbytes(self) -> int:
-        return sum(b.numel() for b, p in zip(self.buffers, self.pinned) if b is not None and p)
+        return self.ledger.bytes_pinned
+
+    def set_pinned(self, index: int, pin: bool) -> bool:
+        """Page-lock block ``index``'s buffer in place, or unlock it; returns whether it is locked.
+
+        Call with the copy stream quiet (no copy from this buffer in flight). After one refusal the
+        store stops asking, so a short host does not warn once per block.
+        """
+        buffer = self.buffers[index]
+        if buffer is None:
+            return False
+        if not pin:
+            self.ledger.unpin(buffer)
+            return False
+        if self.ledger.is_pinned(buffer):
+            return True
+        pinned = self.ledger.pin(buffer, register=not self.pin_failed)
+        if not pinned and not self.pin_failed:
+            self.pin_failed = True
+            reason = "refused" if self.ledger.pinner is not None else "no CUDA runtime to page-lock with"
+            log.warning("[layerwise-offload] could not pin %.1f MiB of host memory (%s); the rest of the store "
+                        "stays pageable, copies from it are slower", buffer.numel() / 2**20, reason)
+        return pinned
+
+    def _drop_buffer(self, index: int) -> None:
+        buffer = self.buffers[index]
+        if buffer is not None:
+            self.ledger.unpin(buffer)
+            self.buffers[index] = None
 
     def clear(self) -> None:
+        """Unlock and drop every buffer (the memory returns once no parameter views it any more)."""
+        self.ledger.unpin_all()
         self.buffers = [None] * len(self.layouts)
-        self.pinned = [False] * len(self.layouts)

@@ -19,6 +19,7 @@ from torch import nn
 from .config import OffloadConfig, resolve_resident_count
 from .device_backend import make_backend, normalize_device
 from .host_memory import available_host_bytes
+from .pinning import default_pinner
 from .host_store import HostStore, block_parameters, plan_layout
 from .schedule import Schedule, choose_resident_blocks
 from .call_order import CallOrderMixin
@@ -70,6 +71,8 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
         # available host memory (replaceable, so tests can pass a figure instead of patching psutil).
         self.pin_cap_bytes: Optional[int] = None
         self.available_host_bytes = available_host_bytes
+        self.pinner = default_pinner(self.device)  # how host buffers are page-locked (None: never)
+        self._last_pin_warning = None
         self.schedule: Optional[Schedule] = None
         self._hooks: List[torch.utils.hooks.RemovableHandle] = []
         self._placeholders: Dict[tuple, torch.Tensor] = {}
@@ -143,10 +146,12 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
             self.backend.wait_for_copy(handle)
             self._pending_copy[index] = None
         self._running[index] += 1
-        self._prefetch_after(index)
+        self._prefetch_after(index, pageable=False)
 
     @_compiler_disable
     def after_block(self, index: int) -> None:
+        if self.schedule is not None:
+            self._prefetch_after(index, pageable=True)
         if self._running[index] > 0:
             self._running[index] -= 1
         if self.schedule is None or self.schedule.resident[index] or self._running[index] > 0:
@@ -174,6 +179,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
         slot_count = min(self.config.prefetch_size + 1, len(streamed))
         slot_bytes = max((sizes[i] for i in streamed), default=0)
         self._move_block_buffers(self.device)
+        self._sync_pinning(schedule)
         residents = {index: self._allocate_device(sizes[index]) for index in schedule.resident_blocks}
         slots = [self._allocate_device(slot_bytes) for _ in range(slot_count)]
         self._resident_buffers, self._slots = residents, slots
@@ -371,11 +377,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
         self.release_all()
         self.remove_hooks()
         if self.store is not None:
-            for index, layout in enumerate(self.store.layouts):
-                with torch.inference_mode(_is_inference(self._named_params[index])):
-                    for entry, view in zip(layout.entries, self.store.views(index)):
-                        entry.param.data = view.to(target, copy=True)
-            self.store = None
+            self._drop_store(target)
         self._expected_pointers = [None] * self.num_blocks
         self._move_block_buffers(target)
         self._placeholders = {}

@@ -23,7 +23,9 @@ class OffloadStats:
     peak_device_bytes: int
     planned_device_bytes: int  # what the current plan holds once armed
     host_bytes: int
-    pinned_host_bytes: int
+    pinned_host_bytes: int  # page-locked now (the same as host_bytes_pinned)
+    host_bytes_requested: int  # bytes the store asked to page-lock (the streamed blocks that fit the budget)
+    host_bytes_pinned: int  # bytes the pinner granted
     copy_seconds: float  # time copies took (copy stream, or the CPU clock on loopback)
     stall_seconds: float  # time compute waited for copies
 
@@ -58,6 +60,8 @@ def snapshot(manager, schedule) -> OffloadStats:
         planned_device_bytes=m.planned_device_bytes(schedule),
         host_bytes=m.store.nbytes() if m.store is not None else 0,
         pinned_host_bytes=m.store.pinned_nbytes() if m.store is not None else 0,
+        host_bytes_requested=m.store.ledger.bytes_requested if m.store is not None else 0,
+        host_bytes_pinned=m.store.ledger.bytes_pinned if m.store is not None else 0,
         copy_seconds=m.backend.copy_seconds,
         stall_seconds=m.backend.stall_seconds,
     )

@@ -326,27 +326,6 @@ def test_prepare_repacks_blocks_changed_behind_its_back(sample_input):
     assert manager.prepare() == []
 
 
-def test_host_memory_shortfall_pins_only_what_fits(sample_input, caplog, monkeypatch):
-    """Asked to pin, with a faked small RAM figure: pin the trailing blocks that fit, one warning."""
-    model = ToyTransformer()
-    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", pin_memory=True).attach(model)
-    sizes = manager.block_nbytes()
-    pinned_calls = []
-
-    def fake_allocate(nbytes, pin):
-        pinned_calls.append(pin)
-        return torch.empty(nbytes, dtype=torch.uint8), pin  # stands in for page-locking, which needs a GPU
-    monkeypatch.setattr("layerwise_offload.offload.host_store.allocate_host_buffer", fake_allocate)
-    margin = 2 * 2**30  # pinnable_bytes keeps at least 2 GiB free
-    manager.available_host_bytes = lambda: margin + sizes[-1] + sizes[-2] + 1
-    with caplog.at_level(logging.WARNING, logger="layerwise_offload"), torch.no_grad():
-        assert torch.equal(model(sample_input), reference_output(sample_input))
-    assert pinned_calls == [False] * (NUM_BLOCKS - 2) + [True, True]
-    assert manager.store.pinned == [False] * (NUM_BLOCKS - 2) + [True, True]
-    assert manager.stats().pinned_host_bytes == sizes[-1] + sizes[-2]
-    assert len([r for r in caplog.records if "pinning" in r.getMessage()]) == 1
-
-
 def test_host_store_refuses_to_push_the_host_into_oom(sample_input):
     model, manager = offloaded(resident_layers=0)
     manager.available_host_bytes = lambda: 100 * 2**20  # below the 512 MiB safety margin

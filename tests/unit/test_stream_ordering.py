@@ -109,11 +109,26 @@ def overlaps(a, b):
     return a[0] < b[1] and b[0] < a[1]
 
 
-@pytest.mark.parametrize("resident, prefetch, policy, order", [
-    (0, 1, "leading", None), (0, 2, "strided", None), (2, 1, "leading", None), (3, 3, "strided", None),
-    (1, 1, "leading", [0, 2, 4, 6]), (2, 2, "leading", [6, 5, 4, 3, 2, 1, 0]), (0, 1, "leading", [0, 1, 1, 2, 5, 3]),
-])
-def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(resident, prefetch, policy, order):
+class YesPinner:
+    """Stands in for cudaHostRegister; ``refuse_after`` leaves the later blocks pageable."""
+
+    def __init__(self, refuse_after=None):
+        self.count = 0
+        self.refuse_after = refuse_after
+
+    def register(self, tensor):
+        self.count += 1
+        return self.refuse_after is None or self.count <= self.refuse_after
+
+    def unregister(self, tensor):
+        pass
+
+
+PINNING = {"pinned": YesPinner(), "pageable": None, "mixed": YesPinner(refuse_after=2)}
+
+
+def run_checked(resident, prefetch, policy, order, pinning, backend_class=None):
+    """Three forwards under the race checker; returns the backend with its copies and where they were issued."""
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     reference = ToyTransformer()
     reference.order = order
@@ -122,10 +137,15 @@ def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(re
     model = ToyTransformer()
     model.order = order
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
-                                      prefetch_size=prefetch, policy=policy)
+                                      prefetch_size=prefetch, policy=policy, pin_memory=pinning != "pageable")
+    manager.pinner = PINNING[pinning]
+    if manager.pinner is not None:
+        manager.pinner.count = 0
+    manager.available_host_bytes = lambda: 2**40
     fake = FakeCudaModule()
-    manager.backend = backend = RecordingBackend(fake)
+    manager.backend = backend = (backend_class or RecordingBackend)(fake)
     manager.attach(model)
+    track_issuing_hook(manager, backend)
     reads = []  # (block, memory range, clock when its reads start, clock when they end)
     starts = {}
 
@@ -157,3 +177,67 @@ def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(re
             if writes_before <= number and overlaps((begin, end), span):
                 assert happens_before(read_finished, write_start), (
                     f"copy #{number} may overwrite memory block {index} is still reading")
+    return manager, backend
+
+
+def track_issuing_hook(manager, backend):
+    """Record, for every copy, the block whose pre- or post-hook issued it, and which block it copies."""
+    host_block = {}
+    backend.issued = []  # (copied block, "pre" | "post", hook's block, copied from pinned memory)
+    backend.issuing = None
+    for name, phase in (("before_block", "pre"), ("after_block", "post")):
+        def wrapped(index, original=getattr(manager, name), phase=phase):
+            backend.issuing = (phase, index)
+            try:
+                return original(index)
+            finally:
+                backend.issuing = None
+        setattr(manager, name, wrapped)
+    original_copy = backend.copy
+
+    def copy(dst, src, after=None):
+        host_block.update({manager.store.buffers[i].data_ptr(): i for i in range(manager.num_blocks)})
+        block = host_block[src.data_ptr()]
+        backend.issued.append((block, *backend.issuing, manager.store.is_pinned(block)))
+        return original_copy(dst, src, after)
+    backend.copy = copy
+
+
+SCENARIOS = [
+    (0, 1, "leading", None), (0, 2, "strided", None), (2, 1, "leading", None), (3, 3, "strided", None),
+    (1, 1, "leading", [0, 2, 4, 6]), (2, 2, "leading", [6, 5, 4, 3, 2, 1, 0]), (0, 1, "leading", [0, 1, 1, 2, 5, 3]),
+]
+
+
+@pytest.mark.parametrize("pinning", ["pinned", "pageable", "mixed"])
+@pytest.mark.parametrize("resident, prefetch, policy, order", SCENARIOS)
+def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(resident, prefetch, policy, order,
+                                                                              pinning):
+    manager, backend = run_checked(resident, prefetch, policy, order, pinning)
+    residents = set(manager.schedule.resident_blocks)  # copied once when the plan is armed, pinned or not
+    for block, phase, hook_block, pinned in backend.issued:
+        if phase == "pre" and block != hook_block and block not in residents:  # a prefetch
+            assert pinned, f"a copy of block {block} from pageable memory was issued before block {hook_block} ran"
+    kinds = {(phase, pinned) for block, phase, _, pinned in backend.issued if block not in residents}
+    if pinning == "pageable":
+        assert ("post", False) in kinds and ("pre", True) not in kinds
+    if pinning == "pinned" and order is None:
+        assert ("pre", True) in kinds and ("post", True) not in kinds
+
+
+class NoSlotWait(RecordingBackend):
+    def copy(self, dst, src, after=None):
+        return super().copy(dst, src, after=None)
+
+
+class NoComputeWait(RecordingBackend):
+    def wait_for_copy(self, handle):
+        pass
+
+
+@pytest.mark.parametrize("pinning", ["pinned", "pageable"])
+@pytest.mark.parametrize("broken", [NoSlotWait, NoComputeWait])
+def test_the_checker_catches_a_missing_wait(pinning, broken):
+    """Without the copy stream's wait for the slot's last reader, or the compute stream's wait for the copy, it fails."""
+    with pytest.raises(AssertionError, match="may overwrite|may read before"):
+        run_checked(0, 1, "leading", None, pinning, backend_class=broken)

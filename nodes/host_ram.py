@@ -1,0 +1,60 @@
+"""ComfyUI's side of the host memory: its pinned-memory accounting, and its LoRA backups.
+
+- Pinning goes through ComfyUI's own ``pin_memory`` / ``unpin_memory`` (0.3.75 and 0.14.1), so the
+  store's page-locked bytes count in ComfyUI's ``TOTAL_PINNED_MEMORY`` and its ``MAX_PINNED_MEMORY``
+  cap (``--disable-pinned-memory``) holds for them as for ComfyUI's own weights.
+- ComfyUI's backup of an unpatched weight is the Parameter the LoRA replaced; once the manager has
+  packed it, that Parameter is a view into the block's host buffer, and would keep the whole old
+  buffer alive next to the repacked one. The backup is replaced by a compact copy of its own bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+from torch import nn
+
+import comfy.model_management
+
+
+class ComfyUIPinner:
+    """Page-locks through ComfyUI, which registers with cudaHostRegister and books the bytes."""
+
+    def register(self, tensor: torch.Tensor) -> bool:
+        # 0.3.75 pins only Parameters (and QuantizedTensor); a Parameter over the buffer shares its memory.
+        return bool(comfy.model_management.pin_memory(_as_parameter(tensor)))
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        comfy.model_management.unpin_memory(tensor)
+
+
+def _as_parameter(tensor: torch.Tensor) -> nn.Parameter:
+    with torch.inference_mode(tensor.is_inference()):
+        return nn.Parameter(tensor, requires_grad=False)
+
+
+def comfyui_pinner() -> Optional[ComfyUIPinner]:
+    """ComfyUI's pinner where this ComfyUI has one and pins at all (an accelerator, pinning not disabled)."""
+    mm = comfy.model_management
+    if not (hasattr(mm, "pin_memory") and hasattr(mm, "unpin_memory")):
+        return None
+    if getattr(mm, "MAX_PINNED_MEMORY", 0) <= 0 or mm.is_device_cpu(mm.get_torch_device()):
+        return None
+    return ComfyUIPinner()
+
+
+def compact_backups(patcher, keys: Iterable[str], buffers: Iterable[Optional[torch.Tensor]]) -> int:
+    """Replace backups of ``keys`` that view one of ``buffers`` by compact pageable copies; returns bytes copied."""
+    storages = {b.untyped_storage().data_ptr() for b in buffers if b is not None}
+    copied = 0
+    for key in keys:
+        backup = patcher.backup.get(key)
+        if backup is None or backup.weight.untyped_storage().data_ptr() not in storages:
+            continue
+        weight = backup.weight
+        with torch.inference_mode(weight.is_inference()):
+            compact = weight.detach().clone()
+        patcher.backup[key] = backup._replace(weight=compact)
+        copied += compact.numel() * compact.element_size()
+    return copied

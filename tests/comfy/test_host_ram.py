@@ -1,0 +1,110 @@
+"""Host RAM inside the real ComfyUI: its pin accounting, its RAM cache figure, LoRA backups, the node's refusal."""
+
+import pytest
+import torch
+
+import comfy.model_management as mm
+import comfy.sd
+
+from layerwise_offload.devtools import tiny_dits
+from layerwise_offload.nodes.host_ram import ComfyUIPinner
+from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
+from layerwise_offload.offload import LayerwiseOffloadManager
+
+pytestmark = pytest.mark.usefixtures("comfy_loopback")
+
+
+def controller_of(patcher):
+    return patcher.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
+
+
+class FakeCudart:
+    """cudaHostRegister / cudaHostUnregister without a GPU: ComfyUI's own bookkeeping around them runs for real."""
+
+    def __init__(self):
+        self.live = {}
+
+    def cudaHostRegister(self, ptr, size, flags):
+        assert ptr not in self.live
+        self.live[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        assert ptr in self.live
+        del self.live[ptr]
+        return 0
+
+
+def test_our_pinned_bytes_count_in_comfyuis_pinned_total(monkeypatch):
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 2**40)
+    before = mm.TOTAL_PINNED_MEMORY
+    model = tiny_dits.build_tiny("wan21")
+    blocks = list(model.get_model_object("diffusion_model").blocks)
+    manager = LayerwiseOffloadManager(blocks, "cpu", pin_memory=True, resident_layers=1)
+    manager.pinner = ComfyUIPinner()
+    manager.available_host_bytes = lambda: 2**40
+    manager.prepare()
+    streamed = sum(manager.block_nbytes()[1:])
+    assert mm.TOTAL_PINNED_MEMORY - before == streamed == sum(cudart.live.values())
+    assert manager.stats().host_bytes_pinned == manager.stats().host_bytes_requested == streamed
+    manager.detach()
+    assert mm.TOTAL_PINNED_MEMORY == before and cudart.live == {}
+
+
+def test_comfyuis_ram_cache_sees_the_host_store():
+    offloaded = offload_model(tiny_dits.build_tiny("wan21"), 1, 1, "leading", True)
+    tiny_dits.sample(offloaded, seed=3)
+    store = controller_of(offloaded).manager.store.nbytes()
+    assert offloaded.get_ram_usage() >= store > offloaded.model_size() - controller_of(offloaded).non_block_bytes()
+    from layerwise_offload.offload.planner import format_bytes
+    figures = controller_of(offloaded).last_report.figures()  # the stats line and the stats node
+    assert f"pinned host 0 B (of 0 B requested), host store {format_bytes(store)}" in figures
+
+
+def test_the_node_refuses_short_host_memory_itself_with_its_settings(monkeypatch):
+    monkeypatch.setattr("layerwise_offload.offload.manager.available_host_bytes", lambda: 100 * 2**20)
+    with pytest.raises(MemoryError) as refusal:
+        offload_model(tiny_dits.build_tiny("wan21"), 2, 1, "strided", True)
+    message = str(refusal.value)
+    assert message.startswith("[layerwise-offload] host memory is short: block ")
+    assert "Layerwise Offload (DiT): resident_layers=2, prefetch_size=1, residency_policy=strided" in message
+    for remedy in ("unload other models", "fp8/GGUF", "pin_memory off", "more RAM"):
+        assert remedy in message
+    assert "raising it does not help" in message
+
+
+def random_block_lora(patcher, seed=7, rank=2):
+    generator = torch.Generator().manual_seed(seed)
+    lora = {}
+    for key, tensor in patcher.model.state_dict().items():
+        if key.endswith(".weight") and tensor.ndim == 2 and ".blocks." in key:
+            stem = key[:-len(".weight")]
+            lora[f"{stem}.lora_up.weight"] = 0.05 * torch.randn(tensor.shape[0], rank, generator=generator)
+            lora[f"{stem}.lora_down.weight"] = 0.05 * torch.randn(rank, tensor.shape[1], generator=generator)
+    return lora
+
+
+def test_lora_backups_are_compact_copies_kept_once():
+    """A LoRA applied after a prompt without it: ComfyUI's backups must not keep the old host buffers alive."""
+    model = tiny_dits.build_tiny("wan21")
+    lora = random_block_lora(model)
+    offloaded = offload_model(model, 1, 1, "leading", True)
+    plain = tiny_dits.sample(offloaded, seed=3)
+    patched, _ = comfy.sd.load_lora_for_models(offloaded, None, lora, 0.8, 0)
+    with_lora = tiny_dits.sample(patched, seed=3)
+    assert not torch.equal(with_lora, plain)
+    assert patched.backup, "ComfyUI keeps backups of the patched weights"
+    backed_up = 0
+    for key, backup in patched.backup.items():
+        weight = backup.weight
+        # A view into a block's host buffer would keep the whole buffer alive next to the repacked one.
+        assert weight.untyped_storage().nbytes() == weight.numel() * weight.element_size(), f"{key}: not compact"
+        backed_up += weight.numel() * weight.element_size()
+    patched_bytes = sum(t.numel() * t.element_size() for k, t in model.model.state_dict().items()
+                        if f"{k[:-len('.weight')]}.lora_up.weight" in lora)
+    assert backed_up == patched_bytes  # each unpatched weight kept once
+    mm.unload_all_models()
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), plain)  # the backups restore the originals

@@ -1,0 +1,117 @@
+"""Host RAM of a real ComfyUI server (a fresh process of its own, CPU loopback) running the offload node.
+
+Nobody trims the server's heap from outside: what RSS shows is what a user's memory cgroup counts. The model
+is a Wan 2.1 with 4 blocks of ~38 MiB (~190 MiB of weights), so the ratios are not drowned in interpreter noise.
+On the CPU loopback the manager's "device" slots are host memory too; they are counted apart (on a GPU they are
+VRAM). Targets: growth <= 1.05 x the weights + one block while the model is loaded; back within one block of
+the start once it is unloaded.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import safetensors.torch
+import torch
+
+from layerwise_offload.devtools import e2e_assets, tiny_dits
+from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
+
+from .conftest import CPU_LOOPBACK_ENV
+from .test_server import tiny_prompt
+
+MODEL_NAME = "layerwise_offload_rss_wan21.safetensors"
+CONFIG = dict(tiny_dits.WAN21_TINY_CONFIG, dim=768, num_heads=6, ffn_dim=3072, num_layers=4)
+PREFETCH = 1
+
+
+@pytest.fixture(scope="module")
+def rss_server(tmp_path_factory, tiny_assets):
+    base = prepare_base_dir(tmp_path_factory.mktemp("rss_base"))
+    for kind, sub in (("wan21", "diffusion_models"), ("vae", "vae")):
+        (base / "models" / sub / tiny_assets[kind].split("/")[-1]).symlink_to(tiny_assets[kind])
+    import shutil
+    shutil.copytree(tiny_assets["cond"], base / "output" / e2e_assets.TINY_COND_FOLDER)
+    patcher = tiny_dits._build("WAN21_T2V", CONFIG, 5, torch.float32)
+    state = {k: v.detach().contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
+    safetensors.torch.save_file(state, str(base / "models" / "diffusion_models" / MODEL_NAME))
+    weights = sum(t.numel() * t.element_size() for t in state.values())
+    block = sum(t.numel() * t.element_size() for k, t in state.items() if k.startswith("blocks.0."))
+    del patcher, state
+    server = ComfyServer(base, cpu=True, env={CPU_LOOPBACK_ENV: "1"}, extra_args=["--disable-api-nodes"])
+    server.start(timeout=240)
+    try:
+        yield server, weights, block
+    finally:
+        server.stop()
+
+
+def anon_rss(pid: int) -> int:
+    """Anonymous resident memory: what the process holds itself. (Plain RSS also counts the file pages of
+    libtorch and friends, which the kernel drops and reloads as other processes need memory.)"""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/<pid>/status")
+
+
+def settled_rss(pid: int, stable_polls: int = 8, polls: int = 80) -> int:
+    """Anonymous RSS once it has not moved for ``stable_polls`` readings (/free runs on the server's own thread)."""
+    last, stable = anon_rss(pid), 0
+    for _ in range(polls):
+        time.sleep(0.25)
+        now = anon_rss(pid)
+        stable = stable + 1 if abs(now - last) < 2**20 else 0
+        last = now
+        if stable >= stable_polls:
+            break
+    return last
+
+
+def rss_at_most(pid: int, limit: int, polls: int = 80) -> int:
+    """Anonymous RSS as soon as it is <= ``limit`` (the unload has happened), else the last reading."""
+    now = anon_rss(pid)
+    for _ in range(polls):
+        if now <= limit:
+            break
+        time.sleep(0.25)
+        now = anon_rss(pid)
+    return now
+
+
+def one_step_prompt(**kwargs):
+    prompt = tiny_prompt(**kwargs)
+    prompt["6"]["inputs"]["steps"] = 1  # RAM does not depend on the step count; time does
+    return prompt
+
+
+def unload_everything(server) -> None:
+    """POST /free, then a prompt without a model: the server applies /free after a prompt at the latest."""
+    server.free_memory()
+    server.run_prompt({
+        "1": {"class_type": "EmptyHunyuanLatentVideo",
+              "inputs": {"width": 16, "height": 16, "length": 1, "batch_size": 1}},
+        "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "rss/none"}}})
+
+
+def test_rss_of_an_offloaded_model_is_its_weights_once_and_returns_after_unload(rss_server):
+    server, weights, block = rss_server
+    offload = {"resident_layers": 0, "prefetch_size": PREFETCH}
+    # Warm up every code path (the node, the sampler, the conditioning loader) on the small tiny model.
+    server.run_prompt(one_step_prompt(offload=offload, prefix="rss/warm"))
+    unload_everything(server)
+    before = settled_rss(server.proc.pid)
+    server.run_prompt(one_step_prompt(offload=offload, unet=MODEL_NAME, prefix="rss/big"))
+    loaded = settled_rss(server.proc.pid)
+    slots = (PREFETCH + 1) * block  # the loopback's "VRAM": streaming slots, in host memory here
+    grown = loaded - before - slots
+    print(f"\n[layerwise-offload] RSS grew {grown / 2**20:.1f} MiB beyond the slots for {weights / 2**20:.1f} MiB "
+          f"of weights (block {block / 2**20:.1f} MiB): (growth - one block) / weights = {(grown - block) / weights:.3f}")
+    assert grown <= 1.05 * weights + block, (
+        f"RSS grew {grown / 2**20:.0f} MiB for {weights / 2**20:.0f} MiB of weights\n{server.log_tail(20)}")
+    unload_everything(server)
+    after = rss_at_most(server.proc.pid, before + block)
+    print(f"[layerwise-offload] after unload: RSS {(after - before) / 2**20:+.1f} MiB from before the model")
+    assert after - before <= block, f"RSS stayed {(after - before) / 2**20:.0f} MiB above the start after unload"

@@ -1,0 +1,167 @@
+"""Page-locking exactly the streamed blocks, through a recording stand-in for cudaHostRegister.
+
+No GPU here: the pinner records every range it is asked to lock and checks that a range is never
+locked twice nor unlocked when it was not locked. What the tests check is the ledger the manager
+keeps and the sizes it asks for; tests/comfy and bench/ run the same path with ComfyUI's pinner.
+"""
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from layerwise_offload.devtools.toy_transformer import ToyTransformer
+from layerwise_offload.offload import apply_layerwise_offload
+from layerwise_offload.offload.host_memory import GiB
+from layerwise_offload.offload.pinning import PinLedger, return_freed_host_memory
+
+
+class RecordingPinner:
+    def __init__(self, refuse_after=None):
+        self.live = {}  # data_ptr -> bytes locked now
+        self.calls = []  # ("register" | "unregister", bytes)
+        self.refuse_after = refuse_after
+
+    def register(self, tensor):
+        ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        assert ptr not in self.live, "a range was page-locked twice"
+        assert tensor.is_contiguous() and tensor.device.type == "cpu"
+        if self.refuse_after is not None and len(self.live) >= self.refuse_after:
+            return False
+        self.live[ptr] = nbytes
+        self.calls.append(("register", nbytes))
+        return True
+
+    def unregister(self, tensor):
+        ptr = tensor.data_ptr()
+        assert ptr in self.live, "unlocking a range that is not locked"
+        self.calls.append(("unregister", self.live.pop(ptr)))
+
+    @property
+    def locked(self):
+        return sum(self.live.values())
+
+
+@pytest.fixture(scope="module")
+def sample_input():
+    return torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+
+
+def reference(x):
+    with torch.no_grad():
+        return ToyTransformer()(x)
+
+
+def pinned_offload(pinner, available=64 * GiB, **settings):
+    model = ToyTransformer()
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, pin_memory=True, **settings)
+    manager.pinner = pinner
+    manager.available_host_bytes = lambda: available
+    return model, manager
+
+
+def streamed_bytes(manager):
+    sizes = manager.block_nbytes()
+    return sum(sizes[i] for i in manager.schedule.streamed_blocks)
+
+
+def test_exactly_the_streamed_blocks_are_page_locked(sample_input):
+    pinner = RecordingPinner()
+    model, manager = pinned_offload(pinner, resident_layers=2)
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), reference(sample_input))
+    streamed = streamed_bytes(manager)
+    stats = manager.stats()
+    assert pinner.locked == stats.host_bytes_pinned == stats.host_bytes_requested == streamed
+    assert sorted(n for _, n in pinner.calls) == sorted(manager.block_nbytes()[2:])
+    assert manager.store.pinned == [False, False] + [True] * 5  # residents keep a pageable copy
+    # The resident plan changes: the newly streamed blocks get locked, the new residents unlocked.
+    manager.replan(resident_layers=4)
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), reference(sample_input))
+    assert manager.store.pinned == [False] * 4 + [True] * 3
+    assert pinner.locked == streamed_bytes(manager) == manager.stats().host_bytes_pinned
+
+
+def test_everything_is_unlocked_on_detach_and_when_the_manager_is_dropped(sample_input):
+    pinner = RecordingPinner()
+    model, manager = pinned_offload(pinner)
+    with torch.no_grad():
+        model(sample_input)
+    assert pinner.locked == sum(manager.block_nbytes())
+    manager.detach()
+    assert pinner.live == {}
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), reference(sample_input))
+
+    model, manager = pinned_offload(pinner)
+    with torch.no_grad():
+        model(sample_input)
+    assert pinner.locked > 0
+    del model, manager
+    gc.collect()
+    assert pinner.live == {}
+
+
+def test_a_repacked_block_unlocks_its_old_buffer_first(sample_input):
+    pinner = RecordingPinner()
+    model, manager = pinned_offload(pinner, resident_layers=0, released_params="host")
+    with torch.no_grad():
+        model(sample_input)
+    block = model.single_blocks[1]  # block 4
+    block.mix.weight = torch.nn.Parameter(block.mix.weight.data * 2)  # a LoRA bake: a new Parameter object
+    assert manager.prepare() == [4]
+    assert pinner.locked == sum(manager.block_nbytes())  # the old buffer was unlocked, the new one locked
+    assert pinner.calls[-2:] == [("unregister", manager.block_nbytes()[4]), ("register", manager.block_nbytes()[4])]
+
+
+def test_short_host_memory_locks_the_trailing_streamed_blocks_that_fit(sample_input, caplog):
+    """The store is allocated already: locking it takes no more RAM, but the host keeps its margin free."""
+    pinner = RecordingPinner()
+    model = ToyTransformer()
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, pin_memory=True,
+                                      resident_layers=1)
+    manager.pinner = pinner
+    sizes = manager.block_nbytes()
+    streamed = sum(sizes[1:])
+    margin = 2 * GiB  # pinnable_bytes keeps at least 2 GiB free
+    manager.available_host_bytes = lambda: margin - (streamed - sizes[-1] - sizes[-2])
+    with caplog.at_level(logging.WARNING, logger="layerwise_offload"), torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(sample_input), reference(sample_input))
+    assert manager.store.pinned == [False] * 5 + [True, True]
+    assert pinner.locked == sizes[-1] + sizes[-2] == manager.stats().host_bytes_pinned
+    assert len([r for r in caplog.records if "page-locking" in r.getMessage()]) == 1
+
+
+def test_a_refusing_pinner_leaves_the_rest_pageable_with_one_warning(sample_input, caplog):
+    pinner = RecordingPinner(refuse_after=2)
+    model, manager = pinned_offload(pinner)
+    with caplog.at_level(logging.WARNING, logger="layerwise_offload"), torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(sample_input), reference(sample_input))
+    assert sum(manager.store.pinned) == 2 and len(pinner.live) == 2
+    assert len([r for r in caplog.records if "could not pin" in r.getMessage()]) == 1
+
+
+def test_pin_memory_off_locks_nothing(sample_input):
+    pinner = RecordingPinner()
+    model, manager = pinned_offload(pinner)
+    manager.replan(pin_memory=False)
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), reference(sample_input))
+    assert pinner.calls == [] and manager.stats().host_bytes_pinned == 0
+
+
+def test_ledger_books_refused_requests_and_forgets_dropped_ones():
+    ledger = PinLedger(None)
+    buffer = torch.empty(1000, dtype=torch.uint8)
+    assert not ledger.pin(buffer)
+    assert ledger.bytes_requested == 1000 and ledger.bytes_pinned == 0
+    ledger.unpin(buffer)
+    assert ledger.bytes_requested == 0
+
+
+def test_return_freed_host_memory_runs_here():
+    assert return_freed_host_memory() in (True, False)
