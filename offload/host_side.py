@@ -9,6 +9,7 @@ import torch
 
 from .host_memory import pinnable_bytes
 from .host_store import HostStore, block_parameters, plan_layout
+from .tensor_subclass import weight_pointer
 
 log = logging.getLogger("layerwise_offload")
 
@@ -99,5 +100,5 @@ class HostSideMixin:
         named = block_parameters(self.blocks[index])
         if expected is None or len(named) != len(self._named_params[index]):
             return False
-        return all(param is known and param.data_ptr() == pointer
+        return all(param is known and weight_pointer(param) == pointer
                    for (_, param), (_, known), pointer in zip(named, self._named_params[index], expected))

@@ -22,6 +22,7 @@ from .host_memory import available_host_bytes
 from .host_store import HostStore, block_parameters, plan_layout
 from .schedule import Schedule, choose_resident_blocks
 from .hooks import HookMixin
+from .tensor_subclass import point_param_at, weight_pointer
 from .host_side import HostSideMixin
 from .stats import OffloadStats, snapshot
 
@@ -215,7 +216,7 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
                 after = self.backend.mark_compute()
             views = self._view_cache.get(("resident", index))
             if views is None:
-                views = self._view_cache[("resident", index)] = layout.views(buffer)
+                views = self._view_cache[("resident", index)] = layout.weight_views(buffer)
             self._block_slot[index] = None
         else:
             slot = self._acquire_slot(set(protect), evict_protected=not may_fail)
@@ -229,7 +230,7 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
             after = self._slot_free[slot]
             views = self._view_cache.get((slot, index))
             if views is None:
-                views = self._view_cache[(slot, index)] = layout.views(buffer)
+                views = self._view_cache[(slot, index)] = layout.weight_views(buffer)
             self._slot_owner[slot] = index
             self._block_slot[index] = slot
         host = self.store.buffers[index]
@@ -282,17 +283,21 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
     def _point_at(self, index: int, views: Sequence[torch.Tensor]) -> None:
         # A normal parameter's .data may only be swapped outside inference_mode.
         with torch.inference_mode(_is_inference(self._named_params[index])):
-            for entry, view in zip(self.store.layouts[index].entries, views):
-                entry.param.data = view
-        self._expected_pointers[index] = [param.data_ptr() for _, param in self._named_params[index]]
+            for weight, view in zip(self.store.layouts[index].weights, views):
+                point_param_at(weight.param, view)
+        self._expected_pointers[index] = [weight_pointer(param) for _, param in self._named_params[index]]
 
     def _point_released(self, index: int) -> None:
         if self.config.released_params == "host":
             views = self._view_cache.get(("host", index))
             if views is None:
-                views = self._view_cache[("host", index)] = self.store.views(index)
+                views = self._view_cache[("host", index)] = self.store.weight_views(index)
         else:
-            views = [self._placeholder(entry.dtype) for entry in self.store.layouts[index].entries]
+            # A subclass weight (quantized) cannot be an empty placeholder: it points at its host copy.
+            layout = self.store.layouts[index]
+            host = self.store.weight_views(index) if layout.has_subclass_weights else None
+            views = [self._placeholder(layout.entries[w.parts[0]].dtype) if w.rebuild is None else host[i]
+                     for i, w in enumerate(layout.weights)]
         self._point_at(index, views)
 
     def _drop_views(self, index: int) -> None:
@@ -372,8 +377,9 @@ class LayerwiseOffloadManager(HookMixin, HostSideMixin):
         if self.store is not None:
             for index, layout in enumerate(self.store.layouts):
                 with torch.inference_mode(_is_inference(self._named_params[index])):
-                    for entry, view in zip(layout.entries, self.store.views(index)):
-                        entry.param.data = view.to(target, copy=True)
+                    copies = [view.to(target, copy=True) for view in self.store.views(index)]
+                    for weight, view in zip(layout.weights, layout.weights_from(copies)):
+                        point_param_at(weight.param, view)
             self.store = None
         self._expected_pointers = [None] * self.num_blocks
         self._move_block_buffers(target)
