@@ -1,10 +1,9 @@
 """The resident layerwise offload manager.
 
-Blocks keep their parameter objects for life; only ``param.data`` changes. A block is either
-*materialized* (its parameters are views into a device buffer) or *released* (its parameters are
-empty placeholders). Resident blocks own a device buffer each and stay materialized across
-forwards; streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copied in
-one ahead of use. The device footprint is therefore fixed by the plan and known before arming.
+Blocks keep their parameter objects for life; only their data changes (``param.data``, or a swapped-in
+quantized subclass). A block is *materialized* (parameters view a device buffer) or *released* (empty
+placeholders, or host views). Resident blocks own a device buffer each and stay materialized across forwards;
+streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copied in one ahead of use.
 """
 
 from __future__ import annotations
