@@ -36,12 +36,12 @@ def _is_block_matrix(key: str, tensor: torch.Tensor) -> bool:
 
 
 def save_tiny_wan21_fp8_mixed(path: "os.PathLike | str", seed: int = 0) -> str:
-    """Every 2-D block weight as fp8 e4m3 with a per-tensor ``weight_scale``; returns the path."""
-    import safetensors.torch
-
+    """Every 2-D block weight and the text embedding's linears as fp8 e4m3 with a per-tensor ``weight_scale``
+    (the text embedding: a quantized weight outside the blocks, as in ComfyUI's own fp8 files); returns the path."""
     sd = tiny_wan21_state_dict(seed)
     layers = {}
-    for key in [k for k, v in sd.items() if _is_block_matrix(k, v)]:
+    quantized = [k for k, v in sd.items() if _is_block_matrix(k, v) or (k.startswith("text_embedding.") and v.ndim == 2)]
+    for key in quantized:
         weight = sd[key]
         scale = (weight.abs().amax() / FP8_MAX).to(torch.float32)
         sd[key] = (weight / scale).to(torch.float8_e4m3fn)

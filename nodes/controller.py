@@ -23,6 +23,7 @@ from ..offload.device_backend import normalize_device
 from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
 from ..offload.advice import RunReport, recommend
 from ..offload.planner import describe, estimate_activation_bytes, plan_residency
+from ..offload.tensor_subclass import point_param_at, weight_nbytes
 from .discovery import DiscoveredBlocks
 
 log = logging.getLogger("layerwise_offload")
@@ -116,7 +117,7 @@ class OffloadController:
             manager.replan(**wanted)
 
     def non_block_bytes(self) -> int:
-        return sum(t.nelement() * t.element_size() for t in self._non_block_tensors())
+        return sum(weight_nbytes(t) for t in self._non_block_tensors())
 
     def _planned_block_bytes(self, resident_count: int) -> int:
         """Device bytes of this output's plan with ``resident_count`` residents (the manager untouched)."""
@@ -132,7 +133,7 @@ class OffloadController:
         return self.non_block_bytes() + self._planned_block_bytes(count)
 
     def loaded_bytes(self) -> int:
-        on_device = sum(t.nelement() * t.element_size() for t in self._non_block_tensors()
+        on_device = sum(weight_nbytes(t) for t in self._non_block_tensors()
                         if t.device == self.device)
         return on_device + self.manager.device_bytes()
 
@@ -175,7 +176,7 @@ class OffloadController:
                         patcher.patch_weight_to_device(key, device_to)
             for param in module._parameters.values():
                 if param is not None and param.device != device_to:
-                    param.data = param.data.to(device_to)
+                    point_param_at(param, param.data.to(device_to))  # keeps a quantized subclass whole
             for key, buffer in module._buffers.items():
                 if buffer is not None and buffer.device != device_to:
                     module._buffers[key] = buffer.to(device_to)

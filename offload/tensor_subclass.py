@@ -35,6 +35,7 @@ __all__ = [
     "point_param_at",
     "weight_pointer",
     "is_wrapper_weight",
+    "weight_nbytes",
 ]
 
 # Subclasses whose whole state is their storage plus Python attributes, by class name (the defining pack is not
@@ -144,3 +145,12 @@ def weight_pointer(tensor: torch.Tensor) -> int:
         inner_names, _ = tensor.__tensor_flatten__()
         tensor = getattr(tensor, inner_names[0])
     return tensor.data_ptr()
+
+
+def weight_nbytes(tensor: torch.Tensor) -> int:
+    """The bytes a weight really holds: its parts' for a wrapper subclass (whose own dtype and shape may be the
+    dequantized ones), its storage's otherwise (a GGUF weight's ``shape`` is the logical one; ``numel`` is not)."""
+    if is_traceable_wrapper_subclass(tensor):
+        inner_names, _ = tensor.__tensor_flatten__()
+        return sum(weight_nbytes(getattr(tensor, name)) for name in inner_names)
+    return tensor.numel() * tensor.element_size()

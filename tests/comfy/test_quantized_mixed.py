@@ -61,6 +61,29 @@ def test_loader_gives_quantized_tensor_weights(fp8_mixed_file):
     patcher = load(fp8_mixed_file)
     assert quantized_weights(patcher) == ["QuantizedTensor"] * NUM_BLOCKS
     assert patcher.model.diffusion_model.blocks[0].self_attn.q.weight._qdata.dtype == torch.float8_e4m3fn
+    assert type(patcher.model.diffusion_model.text_embedding[0].weight).__name__ == "QuantizedTensor"
+
+
+def real_bytes(tensor):
+    """fp8 data plus scales for a QuantizedTensor (0.3.75 keeps scales in _layout_params, 0.14.1 in _params)."""
+    if not hasattr(tensor, "_qdata"):
+        return tensor.numel() * tensor.element_size()
+    params = getattr(tensor, "_layout_params", None) or vars(tensor._params)
+    scales = [v for v in params.values() if isinstance(v, torch.Tensor)]
+    return tensor._qdata.nbytes + sum(s.nbytes for s in scales)
+
+
+def test_non_block_quantized_weights_are_counted_at_their_stored_size(fp8_mixed_file):
+    model = load(fp8_mixed_file)
+    offloaded = offload_model(model, 1, 1, "leading", True)
+    tiny_dits.sample(offloaded, seed=3, family="wan21", steps=1)
+    controller = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
+    diffusion = model.model.diffusion_model
+    tensors = list(model.model.named_parameters()) + list(model.model.named_buffers())
+    non_block = [t for n, t in tensors if not n.startswith("diffusion_model.blocks.")]
+    assert controller.non_block_bytes() == sum(real_bytes(t) for t in non_block)
+    assert type(diffusion.text_embedding[0].weight).__name__ == "QuantizedTensor"  # placed whole
+    mm.unload_all_models()
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
