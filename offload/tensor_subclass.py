@@ -133,10 +133,24 @@ def point_param_at(param: nn.Parameter, weight: torch.Tensor) -> None:
     device is fixed at construction), so its contents are swapped in whole, as ``nn.Module._apply`` does.
     """
     if is_traceable_wrapper_subclass(weight):
-        fresh = nn.Parameter(weight, requires_grad=False) if isinstance(param, nn.Parameter) else weight
-        torch.utils.swap_tensors(param, fresh)
+        torch.utils.swap_tensors(param, _fresh_like(param, weight))
     else:
         param.data = weight
+
+
+def _fresh_like(param: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A new object over ``weight``'s own inner tensors, with ``param``'s plain attributes (``_is_param``).
+
+    Not ``nn.Parameter(weight)``: that detaches, and a subclass's detach may clone its scales on the compute
+    stream, reading a device buffer whose copy is still in flight on the copy stream. ``swap_tensors`` trades
+    contents, so the object handed over must be a throwaway, never a cached one."""
+    inner_names, ctx = weight.__tensor_flatten__()
+    fresh = type(weight).__tensor_unflatten__({name: getattr(weight, name) for name in inner_names}, ctx,
+                                              weight.size(), weight.stride())
+    for key, value in vars(param).items():
+        if key not in vars(fresh) and not isinstance(value, torch.Tensor):
+            setattr(fresh, key, value)
+    return fresh
 
 
 def weight_pointer(tensor: torch.Tensor) -> int:

@@ -41,8 +41,11 @@ class ScaledInt8(torch.Tensor):
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         return ScaledInt8(inner["qdata"], inner["scale"], ctx["note"])
 
+    ops_seen = []  # every op dispatched on a ScaledInt8, to check what the manager does to the weights
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        cls.ops_seen.append(func)
         if func is torch.ops.aten.detach.default:
             return ScaledInt8(args[0].qdata, args[0].scale, args[0].note)
         unwrap = lambda t: t.dequantize() if isinstance(t, ScaledInt8) else t  # noqa: E731
@@ -123,6 +126,20 @@ def test_bytes_on_the_wire_are_the_packed_bytes(x):
     # int8 data + scales + the plain parameters, alignment padding aside: about a quarter of the float32 size
     assert quantized + others <= stored[3] < quantized + others + 64 * 12
     assert stored[3] < (dequantized + others) / 2
+
+
+def test_pointing_a_weight_at_a_copy_runs_no_op_on_it(x):
+    """Swapping a subclass in must not detach or clone it: a subclass's detach may clone its scales on the
+    compute stream while their copy is still in flight on the copy stream (comfy-kitchen's does)."""
+    model = quantized_toy()
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2)
+    with torch.no_grad():
+        model(x)
+        ScaledInt8.ops_seen.clear()
+        model(x)
+    assert manager.stats().copies_last_forward == 5
+    assert set(ScaledInt8.ops_seen) <= {torch.ops.aten.linear.default, torch.ops.aten.t.default,
+                                        torch.ops.aten.addmm.default, torch.ops.aten.mm.default}, ScaledInt8.ops_seen
 
 
 def test_layout_stores_the_inner_tensors_and_rebuilds_the_subclass():
