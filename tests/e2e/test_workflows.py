@@ -20,6 +20,8 @@ NODE = "LayerwiseOffload"
 EXPECTED = {
     "flux1_dev": ["flux1-dev.safetensors"],
     "wan2.1_t2v_14B": ["wan2.1_t2v_14B_bf16.safetensors"],
+    "wan2.2_t2v_A14B_fp8": ["wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
+                            "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"],  # before its prefix below
     "wan2.2_t2v_A14B": ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan2.2_t2v_low_noise_14B_fp16.safetensors"],
     "qwen_image": ["qwen_image_fp8_e4m3fn.safetensors"],
     "hunyuan_video": ["hunyuan_video_t2v_720p_bf16.safetensors"],
