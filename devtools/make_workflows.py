@@ -581,6 +581,8 @@ def wan22_t2v_a14b_fp8() -> Dict[str, Any]:
         values = node.get("widgets_values")
         if node["type"] == "UNETLoader":
             values[0] = values[0].replace("_fp16.", "_fp8_scaled.")
+            for model in node["properties"].get("models", []):  # same Comfy-Org repackaged folder
+                model["name"], model["url"] = (model[k].replace("_fp16.", "_fp8_scaled.") for k in ("name", "url"))
         elif node["type"] == "LayerwiseOffload":
             values[0] = 30
         elif node["type"] == "MarkdownNote" and values and "### Wan 2.2" in values[0]:
