@@ -24,6 +24,7 @@ from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_bl
 from ..offload.advice import RunReport, recommend
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
+from ..offload.tensor_subclass import point_param_at, weight_nbytes
 from .discovery import DiscoveredBlocks
 from .host_ram import compact_backups, comfyui_pinner
 
@@ -119,7 +120,7 @@ class OffloadController:
             manager.replan(**wanted)
 
     def non_block_bytes(self) -> int:
-        return sum(t.nelement() * t.element_size() for t in self._non_block_tensors())
+        return sum(weight_nbytes(t) for t in self._non_block_tensors())
 
     def _planned_block_bytes(self, resident_count: int) -> int:
         """Device bytes of this output's plan with ``resident_count`` residents (the manager untouched)."""
@@ -140,7 +141,7 @@ class OffloadController:
         return host + sum(self.manager.block_nbytes())
 
     def loaded_bytes(self) -> int:
-        on_device = sum(t.nelement() * t.element_size() for t in self._non_block_tensors()
+        on_device = sum(weight_nbytes(t) for t in self._non_block_tensors()
                         if t.device == self.device)
         return on_device + self.manager.device_bytes()
 
@@ -184,7 +185,7 @@ class OffloadController:
                         patcher.patch_weight_to_device(key, device_to)
             for param in module._parameters.values():
                 if param is not None and param.device != device_to:
-                    param.data = param.data.to(device_to)
+                    point_param_at(param, param.data.to(device_to))  # keeps a quantized subclass whole
             for key, buffer in module._buffers.items():
                 if buffer is not None and buffer.device != device_to:
                     module._buffers[key] = buffer.to(device_to)

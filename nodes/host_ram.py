@@ -17,6 +17,8 @@ from torch import nn
 
 import comfy.model_management
 
+from ..offload.tensor_subclass import weight_parts
+
 
 class ComfyUIPinner:
     """Page-locks through ComfyUI, which registers with cudaHostRegister and books the bytes."""
@@ -45,16 +47,21 @@ def comfyui_pinner() -> Optional[ComfyUIPinner]:
 
 
 def compact_backups(patcher, keys: Iterable[str], buffers: Iterable[Optional[torch.Tensor]]) -> int:
-    """Replace backups of ``keys`` that view one of ``buffers`` by compact pageable copies; returns bytes copied."""
+    """Replace backups of ``keys`` that view one of ``buffers`` by compact pageable copies; returns bytes copied.
+    A quantized weight (a tensor subclass) is copied part by part and rebuilt as the same subclass."""
     storages = {b.untyped_storage().data_ptr() for b in buffers if b is not None}
     copied = 0
     for key in keys:
         backup = patcher.backup.get(key)
-        if backup is None or backup.weight.untyped_storage().data_ptr() not in storages:
+        if backup is None:
+            continue
+        parts = weight_parts(key, backup.weight)
+        if not any(t.untyped_storage().data_ptr() in storages for _, t in parts.tensors):
             continue
         weight = backup.weight
         with torch.inference_mode(weight.is_inference()):
-            compact = weight.detach().clone()
+            copies = {name: t.detach().clone() for name, t in parts.tensors}
+            compact = weight.detach().clone() if parts.rebuild is None else parts.rebuild(copies)
         patcher.backup[key] = backup._replace(weight=compact)
-        copied += compact.numel() * compact.element_size()
+        copied += sum(c.numel() * c.element_size() for c in copies.values())
     return copied

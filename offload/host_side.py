@@ -9,7 +9,8 @@ import torch
 
 from .host_memory import pinnable_bytes
 from .pinning import return_freed_host_memory
-from .host_store import HostStore, block_parameters, plan_layout
+from .host_store import HostStore, block_parameters, params_are_inference, plan_layout
+from .tensor_subclass import point_param_at, weight_pointer
 
 log = logging.getLogger("layerwise_offload")
 
@@ -106,10 +107,10 @@ class HostSideMixin:
     def _drop_store(self, target: torch.device) -> None:
         """Give every parameter its own copy on ``target``, then unlock and free the store."""
         for index, layout in enumerate(self.store.layouts):
-            named = self._named_params[index]
-            with torch.inference_mode(bool(named) and named[0][1].is_inference()):
-                for entry, view in zip(layout.entries, self.store.views(index)):
-                    entry.param.data = view.to(target, copy=True)
+            with torch.inference_mode(params_are_inference(self._named_params[index])):
+                copies = [view.to(target, copy=True) for view in self.store.views(index)]
+                for weight, view in zip(layout.weights, layout.weights_from(copies)):
+                    point_param_at(weight.param, view)
         self.store.clear()
         self.store = None
         return_freed_host_memory()
@@ -160,5 +161,5 @@ class HostSideMixin:
         named = block_parameters(self.blocks[index])
         if expected is None or len(named) != len(self._named_params[index]):
             return False
-        return all(param is known and param.data_ptr() == pointer
+        return all(param is known and weight_pointer(param) == pointer
                    for (_, param), (_, known), pointer in zip(named, self._named_params[index], expected))

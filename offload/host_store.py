@@ -3,6 +3,9 @@
 One buffer per block means one host-to-device copy per block, whatever its mix of dtypes.
 Parameters are grouped by dtype and each starts at an aligned offset, so every view is a
 plain reinterpretation of bytes (``view(dtype)``) with the parameter's own strides.
+
+A quantized weight that is a tensor subclass is stored as its plain parts (quantized data, scales; see
+``tensor_subclass``) and rebuilt as the same subclass over the views, so what streams is the packed bytes.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from .pinning import Pinner, PinLedger
+from .tensor_subclass import RebuildFn, weight_parts
 
 log = logging.getLogger("layerwise_offload")
 
@@ -23,28 +27,57 @@ ALIGNMENT_BYTES = 64
 
 @dataclass(frozen=True)
 class ParamEntry:
-    name: str
+    """One plain tensor in the block's buffer: a parameter's data, or one part of a subclass weight."""
+    name: str  # the parameter's name, plus ":<part>" for a part of a subclass weight
     param: nn.Parameter
     shape: Tuple[int, ...]
     stride: Tuple[int, ...]
     dtype: torch.dtype
     offset: int  # bytes from the start of the block's buffer
     span_elements: int  # elements covered by the strided view, holes included
+    part: str = ""  # the part's name inside a subclass weight
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """One parameter of the block: which entries hold it, and how to rebuild it when it is a subclass."""
+    param: nn.Parameter
+    parts: Tuple[int, ...]  # indices into BlockLayout.entries
+    rebuild: Optional[RebuildFn] = None  # None: the parameter's data is its single entry's view
 
 
 @dataclass(frozen=True)
 class BlockLayout:
     entries: Tuple[ParamEntry, ...]
     nbytes: int
+    weights: Tuple[WeightEntry, ...] = ()
+
+    @property
+    def has_subclass_weights(self) -> bool:
+        return any(weight.rebuild is not None for weight in self.weights)
 
     def views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
-        """Typed, strided views of every parameter inside ``buffer`` (a uint8 tensor)."""
+        """Typed, strided views of every entry inside ``buffer`` (a uint8 tensor)."""
         views = []
         for entry in self.entries:
             nbytes = entry.span_elements * _itemsize(entry.dtype)
             typed = buffer.narrow(0, entry.offset, nbytes).view(entry.dtype)
             views.append(typed.as_strided(entry.shape, entry.stride))
         return views
+
+    def weight_views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
+        """What each parameter (``weights`` order) should hold to live in ``buffer``: a plain view, or its
+        subclass rebuilt over the views of its parts."""
+        return self.weights_from(self.views(buffer))
+
+    def weights_from(self, views: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        weights = []
+        for weight in self.weights:
+            if weight.rebuild is None:
+                weights.append(views[weight.parts[0]])
+            else:
+                weights.append(weight.rebuild({self.entries[i].part: views[i] for i in weight.parts}))
+        return weights
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -61,7 +94,7 @@ def _kept_stride(tensor: torch.Tensor) -> Tuple[Tuple[int, ...], int]:
     A dense layout (contiguous or a permutation of it, e.g. a transposed weight) is kept as it is;
     anything overlapping or with gaps is stored contiguous, since copying into it is undefined.
     """
-    shape = tuple(tensor.shape)
+    shape = tuple(tensor.size())  # size(), not shape: a subclass may report a logical shape (GGUF)
     numel = tensor.numel()
     if numel and _is_dense_permutation(shape, tuple(tensor.stride())):
         return tuple(tensor.stride()), numel
@@ -85,29 +118,62 @@ def _is_dense_permutation(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+def params_are_inference(named_params: Sequence[Tuple[str, nn.Parameter]]) -> bool:
+    """Whether a block's parameters are inference tensors (then their data is swapped under inference_mode)."""
+    return bool(named_params) and named_params[0][1].is_inference()
+
+
 def block_parameters(block: nn.Module) -> List[Tuple[str, nn.Parameter]]:
     return list(block.named_parameters(recurse=True))
 
 
 def plan_layout(named_params: Sequence[Tuple[str, nn.Parameter]]) -> BlockLayout:
-    by_dtype: Dict[torch.dtype, List[Tuple[str, nn.Parameter]]] = {}
-    for name, param in named_params:
-        by_dtype.setdefault(param.dtype, []).append((name, param))
-    entries = []
+    # (parameter index, part name, plain tensor) for every tensor that holds bytes of the block
+    pieces: List[Tuple[int, str, torch.Tensor]] = []
+    rebuilds = []
+    for index, (name, param) in enumerate(named_params):
+        parts = weight_parts(name, param)
+        rebuilds.append(parts.rebuild)
+        pieces.extend((index, part, tensor) for part, tensor in parts.tensors)
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for position, (_, _, tensor) in enumerate(pieces):
+        by_dtype.setdefault(tensor.dtype, []).append(position)
+    placed: Dict[int, ParamEntry] = {}
     offset = 0
     # Widest dtypes first keeps every group's start aligned without padding between groups.
     for dtype in sorted(by_dtype, key=lambda d: (-_itemsize(d), str(d))):
-        for name, param in by_dtype[dtype]:
-            stride, span = _kept_stride(param.data)
+        for position in by_dtype[dtype]:
+            index, part, tensor = pieces[position]
+            name, param = named_params[index]
+            stride, span = _kept_stride(tensor)
             offset = _align(offset)
-            entries.append(ParamEntry(name, param, tuple(param.shape), stride, dtype, offset, span))
+            placed[position] = ParamEntry(f"{name}:{part}" if part else name, param, tuple(tensor.size()), stride,
+                                          dtype, offset, span, part)
             offset += span * _itemsize(dtype)
-    return BlockLayout(tuple(entries), _align(offset))
+    order = sorted(placed, key=lambda p: placed[p].offset)
+    entries = tuple(placed[p] for p in order)
+    where = {p: i for i, p in enumerate(order)}
+    weights = tuple(
+        WeightEntry(param, tuple(where[p] for p, piece in enumerate(pieces) if piece[0] == index), rebuilds[index])
+        for index, (_, param) in enumerate(named_params))
+    return BlockLayout(entries, _align(offset), weights)
 
 
 def allocate_host_buffer(nbytes: int) -> torch.Tensor:
     """A pageable uint8 host buffer of exactly ``nbytes``; page-locking is the store's pin ledger's job."""
     return torch.empty(nbytes, dtype=torch.uint8)
+
+
+def _packed_sources(layout: BlockLayout) -> List[torch.Tensor]:
+    """The plain tensors whose bytes the entries store, read from the parameters now (the layout keeps no
+    reference to them, so packing can free ComfyUI's copy). Never a subclass: its copy_ may dequantize or recurse."""
+    sources: List[Optional[torch.Tensor]] = [None] * len(layout.entries)
+    for weight in layout.weights:
+        name = layout.entries[weight.parts[0]].name.split(":", 1)[0]
+        parts = dict(weight_parts(name, weight.param).tensors)
+        for i in weight.parts:
+            sources[i] = parts[layout.entries[i].part]
+    return sources
 
 
 class HostStore:
@@ -134,8 +200,8 @@ class HostStore:
         self._drop_buffer(index)
         buffer = allocate_host_buffer(layout.nbytes)
         with torch.no_grad():
-            for view, entry in zip(layout.views(buffer), layout.entries):
-                view.copy_(entry.param.data)
+            for view, source in zip(layout.views(buffer), _packed_sources(layout)):
+                view.copy_(source)
         self.buffers[index] = buffer
         self.set_pinned(index, pin)
 
@@ -144,6 +210,10 @@ class HostStore:
         if buffer is None:
             raise RuntimeError(f"block {index} has no host copy yet")
         return self.layouts[index].views(buffer)
+
+    def weight_views(self, index: int) -> List[torch.Tensor]:
+        """Each parameter's weight over the host copy (subclasses rebuilt), in ``layouts[index].weights`` order."""
+        return self.layouts[index].weights_from(self.views(index))
 
     def nbytes(self) -> int:
         return sum(b.numel() for b in self.buffers if b is not None)

@@ -1,10 +1,9 @@
 """The resident layerwise offload manager.
 
-Blocks keep their parameter objects for life; only ``param.data`` changes. A block is either
-*materialized* (its parameters are views into a device buffer) or *released* (its parameters are
-empty placeholders). Resident blocks own a device buffer each and stay materialized across
-forwards; streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copied in
-one ahead of use. The device footprint is therefore fixed by the plan and known before arming.
+Blocks keep their parameter objects for life; only their data changes (``param.data``, or a swapped-in
+quantized subclass). A block is *materialized* (parameters view a device buffer) or *released* (empty
+placeholders, or host views). Resident blocks own a device buffer each and stay materialized across forwards;
+streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copied in one ahead of use.
 """
 
 from __future__ import annotations
@@ -20,20 +19,17 @@ from .config import OffloadConfig, resolve_resident_count
 from .device_backend import make_backend, normalize_device
 from .host_memory import available_host_bytes
 from .pinning import default_pinner
-from .host_store import HostStore, block_parameters, plan_layout
+from .host_store import HostStore, block_parameters, params_are_inference, plan_layout
 from .schedule import Schedule, choose_resident_blocks
 from .call_order import CallOrderMixin
 from .hooks import HookMixin
+from .tensor_subclass import point_param_at, weight_pointer
 from .host_side import HostSideMixin
 from .stats import OffloadStats, snapshot
 
 log = logging.getLogger("layerwise_offload")
 
 _compiler_disable = torch.compiler.disable
-
-
-def _is_inference(named_params) -> bool:
-    return bool(named_params) and named_params[0][1].is_inference()
 
 
 class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
@@ -221,7 +217,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
                 after = self.backend.mark_compute()
             views = self._view_cache.get(("resident", index))
             if views is None:
-                views = self._view_cache[("resident", index)] = layout.views(buffer)
+                views = self._view_cache[("resident", index)] = layout.weight_views(buffer)
             self._block_slot[index] = None
         else:
             slot = self._acquire_slot(set(protect), evict_protected=not may_fail)
@@ -235,7 +231,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
             after = self._slot_free[slot]
             views = self._view_cache.get((slot, index))
             if views is None:
-                views = self._view_cache[(slot, index)] = layout.views(buffer)
+                views = self._view_cache[(slot, index)] = layout.weight_views(buffer)
             self._slot_owner[slot] = index
             self._block_slot[index] = slot
         host = self.store.buffers[index]
@@ -287,18 +283,22 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
 
     def _point_at(self, index: int, views: Sequence[torch.Tensor]) -> None:
         # A normal parameter's .data may only be swapped outside inference_mode.
-        with torch.inference_mode(_is_inference(self._named_params[index])):
-            for entry, view in zip(self.store.layouts[index].entries, views):
-                entry.param.data = view
-        self._expected_pointers[index] = [param.data_ptr() for _, param in self._named_params[index]]
+        with torch.inference_mode(params_are_inference(self._named_params[index])):
+            for weight, view in zip(self.store.layouts[index].weights, views):
+                point_param_at(weight.param, view)
+        self._expected_pointers[index] = [weight_pointer(param) for _, param in self._named_params[index]]
 
     def _point_released(self, index: int) -> None:
         if self.config.released_params == "host":
             views = self._view_cache.get(("host", index))
             if views is None:
-                views = self._view_cache[("host", index)] = self.store.views(index)
+                views = self._view_cache[("host", index)] = self.store.weight_views(index)
         else:
-            views = [self._placeholder(entry.dtype) for entry in self.store.layouts[index].entries]
+            # A subclass weight (quantized) cannot be an empty placeholder: it points at its host copy.
+            layout = self.store.layouts[index]
+            host = self.store.weight_views(index) if layout.has_subclass_weights else None
+            views = [self._placeholder(layout.entries[w.parts[0]].dtype) if w.rebuild is None else host[i]
+                     for i, w in enumerate(layout.weights)]
         self._point_at(index, views)
 
     def _drop_views(self, index: int) -> None:

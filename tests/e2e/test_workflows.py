@@ -21,6 +21,8 @@ NODE = "LayerwiseOffload"
 EXPECTED = {
     "Flux.1 dev": ["flux1-dev.safetensors"],
     "Wan 2.1 T2V 14B": ["wan2.1_t2v_14B_bf16.safetensors"],
+    "Wan 2.2 T2V A14B fp8": ["wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
+                             "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"],  # before its prefix below
     "Wan 2.2 T2V A14B": ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan2.2_t2v_low_noise_14B_fp16.safetensors"],
     "Qwen-Image": ["qwen_image_fp8_e4m3fn.safetensors"],
     "HunyuanVideo": ["hunyuan_video_t2v_720p_bf16.safetensors"],

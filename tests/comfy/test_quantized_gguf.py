@@ -1,0 +1,110 @@
+"""GGUF checkpoints through city96's ComfyUI-GGUF (unmodified, from shared/peers), in-process, bitwise.
+
+``UnetLoaderGGUF -> LayerwiseOffload -> sampling`` equals ``UnetLoaderGGUF -> sampling`` for F16, Q8_0, Q5_0 and
+Q4_0 blocks, with and without a LoRA (ComfyUI-GGUF applies it at dequantization time from ``patches`` it hangs on
+the weights), and the bytes on the wire per forward are the streamed blocks' quantized bytes. The real-server
+variant is tests/e2e/test_gguf_server.py.
+"""
+
+import pytest
+import torch
+
+import comfy.model_management as mm
+import comfy.sd
+import folder_paths
+
+from layerwise_offload.devtools import peers, tiny_dits
+from layerwise_offload.devtools.quantized_models import GGUF_TYPES, save_tiny_wan21_gguf
+from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
+
+pytest.importorskip("gguf", reason="the gguf package (a dev package of scripts/setup_env.sh) is not installed")
+if peers.peer_tarball() is None:
+    pytest.skip(f"no shared/peers/{peers.GGUF_TARBALL} beside the repository (set LAYERWISE_OFFLOAD_SHARED)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.usefixtures("comfy_loopback")
+
+NUM_BLOCKS = 4
+# Bytes per 32-value GGML block: F16 2 per value; Q8_0 2 + 32; Q5_0 2 + 4 + 16; Q4_0 2 + 16.
+BYTES_PER_32 = {"F16": 64, "Q8_0": 34, "Q5_0": 22, "Q4_0": 18}
+
+
+@pytest.fixture(scope="module")
+def gguf(tmp_path_factory):
+    """ComfyUI-GGUF imported as ComfyUI would load it, and a folder of tiny Wan 2.1 GGUF files it can see."""
+    root = tmp_path_factory.mktemp("gguf")
+    module = peers.import_comfyui_gguf(root / "custom_nodes")
+    models = root / "diffusion_models"
+    for qtype in GGUF_TYPES:
+        save_tiny_wan21_gguf(models / f"tiny_wan21_{qtype}.gguf", qtype, seed=0)
+    folder_paths.add_model_folder_path("diffusion_models", str(models))
+    return module
+
+
+def load(gguf, qtype):
+    (patcher,) = gguf.nodes.UnetLoaderGGUF().load_unet(f"tiny_wan21_{qtype}.gguf")
+    return patcher
+
+
+def with_lora(patcher, seed=5):
+    """A rank-2 LoRA on two linears of every block, through ComfyUI's LoRA loader (LoraLoaderModelOnly)."""
+    gen = torch.Generator().manual_seed(seed)
+    lora = {}
+    for index in range(NUM_BLOCKS):
+        for name in ("self_attn.o", "ffn.0"):
+            stem = f"diffusion_model.blocks.{index}.{name}"
+            weight = patcher.model.get_parameter(stem + ".weight")
+            out_features, in_features = weight.tensor_shape
+            lora[f"{stem}.lora_up.weight"] = 0.05 * torch.randn(out_features, 2, generator=gen)
+            lora[f"{stem}.lora_down.weight"] = 0.05 * torch.randn(2, in_features, generator=gen)
+    patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0)
+    assert len(patched.patches) == 2 * NUM_BLOCKS
+    return patched
+
+
+def weight_kinds(patcher):
+    blocks = patcher.model.diffusion_model.blocks
+    return {(type(b.self_attn.q.weight).__name__, getattr(b.self_attn.q.weight, "tensor_type", None).name)
+            for b in blocks}
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_gguf_offloaded_equals_comfyui_gguf(gguf, qtype):
+    base = load(gguf, qtype)
+    assert weight_kinds(base) == {("GGMLTensor", qtype)}
+    want = tiny_dits.sample(base, seed=3, family="wan21")
+    mm.unload_all_models()
+    want_lora = tiny_dits.sample(with_lora(load(gguf, qtype)), seed=3, family="wan21")
+    mm.unload_all_models()
+    assert not torch.equal(want, want_lora)  # the LoRA matters
+
+    model = load(gguf, qtype)
+    for lora, expected in ((False, want), (True, want_lora)):
+        for resident, policy in ((0, "leading"), (2, "strided")):
+            offloaded = offload_model(with_lora(model) if lora else model, resident, 1, policy, True)
+            assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), expected), (lora, resident)
+            assert weight_kinds(offloaded) == {("GGMLTensor", qtype)}
+            manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
+            stats = manager.stats()
+            streamed = [i for i in range(NUM_BLOCKS) if not manager.schedule.resident[i]]
+            assert stats.copies_last_forward == len(streamed)
+            assert stats.bytes_copied_last_forward == sum(manager.block_nbytes()[i] for i in streamed)
+            mm.unload_all_models()
+
+
+@pytest.mark.parametrize("qtype", GGUF_TYPES)
+def test_packed_block_is_the_gguf_size(gguf, qtype):
+    model = load(gguf, qtype)
+    offloaded = offload_model(model, 0, 1, "leading", True)
+    tiny_dits.sample(offloaded, seed=3, family="wan21", steps=1)
+    manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
+    block = model.model.diffusion_model.blocks[1]
+    quantized = sum(p.numel() for n, p in block.named_parameters() if p.ndim == 2 and n.endswith("weight"))
+    values = sum(p.tensor_shape.numel() for n, p in block.named_parameters() if p.ndim == 2 and n.endswith("weight"))
+    others = sum(p.numel() * p.element_size() for n, p in block.named_parameters()
+                 if not (p.ndim == 2 and n.endswith("weight")))
+    assert quantized == values // 32 * BYTES_PER_32[qtype] // (2 if qtype == "F16" else 1)
+    packed = quantized * (2 if qtype == "F16" else 1) + others
+    assert packed <= manager.block_nbytes()[1] < packed + 64 * 32
+    mm.unload_all_models()
