@@ -3,9 +3,10 @@ resident count that ``resident_layers = -1`` (auto) picks on 8/12/16/24 GB cards
 
 Block sizes come from ComfyUI's own model classes at their released size, built on the ``meta`` device (no
 memory, no files), in the dtype of the file each template loads. The choice is made by the planner the node uses
-(``offload/planner.py``: ``plan_residency`` with ``estimate_activation_bytes``), fed as the node feeds it at the
+(``offload/planner.py``: ``plan_residency`` with ``forward_activation_bytes``), fed as the node feeds it at the
 first step: free VRAM after the non-block weights, ComfyUI's reserve (``minimum_inference_memory``: 0.8 GiB +
-0.4 GiB on Linux), and the activation estimate for the template's latent (batch 2 when CFG runs cond and uncond).
+0.4 GiB on Linux), and the measured activation model for the template's latent (batch 2 when CFG runs cond and
+uncond).
 
     .venv/bin/python -P devtools/template_memory.py            # Markdown table
     .venv/bin/python -P devtools/template_memory.py --cards 10,20
@@ -28,7 +29,7 @@ GB = 10**9
 CONTEXT_AND_DESKTOP = int(0.5 * GiB)
 COMFY_RESERVE = int(0.8 * GiB) + 400 * 2**20  # minimum_inference_memory() on Linux, no --reserve-vram
 PROCESS_RAM = 3 * GB
-LATENT_BYTES = 4  # the sampler hands the model float32 latents; the node sizes activations from them
+COMPUTE_BYTES = 2  # bf16 and fp8 checkpoints compute in 16 bits; the node sizes activations by that
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ def _templates(presets) -> List[Template]:
                  2, (1, 16, 9, 60, 104), 2, 1, 6.74 + 0.25),
         Template("Wan 2.2 T2V A14B, 640x640x81 (per expert)", "WAN21_T2V", {**presets.WAN21_14B, "num_layers": 40},
                  2, (1, 16, 21, 80, 80), 2, 2, 6.74 + 0.25),
+        Template("Wan 2.2 T2V A14B fp8, 640x640x81 (per expert)", "WAN21_T2V",
+                 {**presets.WAN21_14B, "num_layers": 40}, 1, (1, 16, 21, 80, 80), 2, 2, 6.74 + 0.25),
         Template("Qwen-Image (fp8), 1328x1328", "QwenImage", {**presets.QWEN_IMAGE, "num_layers": 60},
                  1, (1, 16, 1, 166, 166), 2, 1, 9.38 + 0.25),
         Template("HunyuanVideo T2V, 848x480x73", "HunyuanVideo", hunyuan, 2, (1, 16, 19, 60, 106), 1, 1,
@@ -86,7 +89,7 @@ def _sizes(t: Template, discovery):
     blocks = [sum(p.numel() for p in b.parameters()) * t.stored_bytes for b in found.blocks]
     total = sum(p.numel() for p in dit.parameters()) * t.stored_bytes
     widths = [m.in_features for m in found.blocks[0].modules() if isinstance(m, nn.Linear)]
-    return blocks, total - sum(blocks), min(widths)
+    return blocks, total - sum(blocks), min(widths), type(dit).__name__
 
 
 # Config keys that one ComfyUI version requires and another rejects, with the value a released checkpoint gives.
@@ -118,10 +121,11 @@ def rows(cards_gb: Sequence[int]):
     _, planner, discovery, presets = _import()
     out = []
     for t in _templates(presets):
-        blocks, non_block, hidden = _sizes(t, discovery)
+        blocks, non_block, hidden, model_class = _sizes(t, discovery)
         latent = (t.cfg_batch,) + t.latent[1:]
-        tokens = max(1, _prod(latent[2:]) // 4)  # what the node computes from x[0, 0]
-        activations = planner.estimate_activation_bytes(tokens, hidden, LATENT_BYTES, batch=latent[0])
+        activations = planner.forward_activation_bytes(  # what the node computes from x
+            model_class, hidden, _prod(latent[2:]), batch=latent[0], dtype_bytes=COMPUTE_BYTES,
+            latent_channels=latent[1]).nbytes
         picks = []
         for card in cards_gb:
             free = card * GiB - CONTEXT_AND_DESKTOP - non_block
@@ -147,7 +151,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     cards = [int(c) for c in a.cards.split(",")]
     table = rows(cards)
-    print("| template | blocks (avg size) | DiT in RAM | RAM needed | activations (est.) | "
+    print("| template | blocks (avg size) | DiT in RAM | RAM needed | activations | "
           + " | ".join(f"-1 on {c} GB" for c in cards) + " |")
     print("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in cards) + " |")
     for t, n, avg, dit, ram, act, picks in table:
