@@ -16,6 +16,7 @@ Pure Python: needs neither ComfyUI nor torch.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 import uuid
@@ -580,32 +581,25 @@ WORKFLOWS = {
 }
 
 
+def _variants():
+    """devtools/workflow_variants.py, loaded by path: this script runs with ``-P`` (no script folder on sys.path)."""
+    spec = importlib.util.spec_from_file_location("_lwo_workflow_variants", Path(__file__).with_name(
+        "workflow_variants.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def wan22_t2v_a14b_fp8() -> Dict[str, Any]:
-    """The Wan 2.2 template with ComfyUI's own fp8 files: half the bytes per streamed block (README, Quantized
-    models), so twice the resident blocks in the same VRAM."""
-    wf = wan22_t2v_a14b()
-    wf["id"] = _wid("wan22_t2v_a14b_fp8")
-    for node in wf["nodes"]:
-        values = node.get("widgets_values")
-        if node["type"] == "UNETLoader":
-            values[0] = values[0].replace("_fp16.", "_fp8_scaled.")
-            for model in node["properties"].get("models", []):  # same Comfy-Org repackaged folder
-                model["name"], model["url"] = (model[k].replace("_fp16.", "_fp8_scaled.") for k in ("name", "url"))
-        elif node["type"] == "MarkdownNote" and values and "### Wan 2.2" in values[0]:
-            values[0] = values[0][: values[0].index("### Wan 2.2")] + """### Wan 2.2 T2V A14B, fp8 (two experts, ~14.3 GB each)
+    return _variants().wan22_fp8(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_fp8"))
 
-ComfyUI's fp8 "scaled" files: each of the 40 blocks of an expert is ~0.35 GB (half the fp16 size), and the
-offload streams it at that size, so auto mode keeps about twice as many blocks resident as with fp16. Fixed
-counts for 640x640, 81 frames: `resident_layers = 30` (~10.5 GB) per expert on a 24 GB GPU; 16 GB: ~18; 12 GB: ~8.
 
-Files: `wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors` and `wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors` in
-models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text_encoders,
-`wan_2.1_vae.safetensors` in models/vae.
-"""
-    return wf
+def wan22_t2v_a14b_gguf() -> Dict[str, Any]:
+    return _variants().wan22_gguf(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_gguf"))
 
 
 WORKFLOWS["Wan 2.2 T2V A14B fp8 - text to video, two experts.json"] = wan22_t2v_a14b_fp8
+WORKFLOWS["Wan 2.2 T2V A14B GGUF - text to video, two experts.json"] = wan22_t2v_a14b_gguf
 
 
 def render(build) -> str:

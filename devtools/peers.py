@@ -13,15 +13,19 @@ import sys
 import tarfile
 import types
 from pathlib import Path
-from typing import Optional
+from typing import Dict, Optional
 
 from .comfy_env import repo_root
 
-__all__ = ["GGUF_TARBALL", "shared_dir", "peer_tarball", "unpack_peer", "import_comfyui_gguf"]
+__all__ = ["GGUF_TARBALL", "PEER_NODES", "shared_dir", "peer_tarball", "unpack_peer", "install_available_peers",
+           "import_comfyui_gguf"]
 
 GGUF_TARBALL = "ComfyUI-GGUF-795e451.tar.gz"
 GGUF_FOLDER = "ComfyUI-GGUF"
 _GGUF_MODULE = "comfyui_gguf_peer"
+#: Node types that shipped workflows take from another pack -> (that pack's folder, its tarball, the Python module
+#: it needs beyond ComfyUI's own requirements).
+PEER_NODES = {"UnetLoaderGGUF": (GGUF_FOLDER, GGUF_TARBALL, "gguf")}
 
 
 def shared_dir() -> Optional[Path]:
@@ -47,6 +51,21 @@ def unpack_peer(dest: "os.PathLike | str", name: str = GGUF_TARBALL, folder: str
         with tarfile.open(tarball) as tar:
             tar.extractall(dest, filter="data")
     return dest / folder
+
+
+def install_available_peers(dest: "os.PathLike | str") -> Dict[str, str]:
+    """Unpack into ``dest`` (a custom_nodes folder) every peer pack of :data:`PEER_NODES` whose source is in
+    shared/peers and whose Python dependency this interpreter can import. Returns ``{folder: why not}`` for the
+    peers left out (empty when all are installed)."""
+    missing: Dict[str, str] = {}
+    for folder, tarball, module in sorted(set(PEER_NODES.values())):
+        if peer_tarball(tarball) is None:
+            missing[folder] = f"no shared/peers/{tarball} beside the repository (set LAYERWISE_OFFLOAD_SHARED)"
+        elif importlib.util.find_spec(module) is None:
+            missing[folder] = f"{folder} needs the {module!r} package, which this Python lacks"
+        else:
+            unpack_peer(dest, tarball, folder)
+    return missing
 
 
 def import_comfyui_gguf(dest: "os.PathLike | str") -> types.ModuleType:

@@ -30,6 +30,9 @@ CONTEXT_AND_DESKTOP = int(0.5 * GiB)
 COMFY_RESERVE = int(0.8 * GiB) + 400 * 2**20  # minimum_inference_memory() on Linux, no --reserve-vram
 PROCESS_RAM = 3 * GB
 COMPUTE_BYTES = 2  # bf16 and fp8 checkpoints compute in 16 bits; the node sizes activations by that
+# QuantStack's Wan 2.2 A14B Q4_K_M files: about 9.84 GB for 14.3 B weights. K-quants mix 4- and 6-bit blocks and
+# keep 1-D tensors in float32, so the file's average stands in for every weight.
+GGUF_Q4_K_M_BYTES = 9.84e9 / 14.29e9
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Template:
     name: str
     comfy_config: str  # class in comfy.supported_models
     unet_config: Dict
-    stored_bytes: int  # bytes per weight in the file the template loads
+    stored_bytes: float  # bytes per weight in the file the template loads (GGUF: the file's average)
     latent: Tuple[int, ...]  # one latent, as the sampler passes it (batch first)
     cfg_batch: int  # 2 when CFG > 1 runs cond and uncond together
     experts: int  # diffusion models in the graph (Wan 2.2: high + low noise)
@@ -58,6 +61,8 @@ def _templates(presets) -> List[Template]:
                  2, (1, 16, 21, 80, 80), 2, 2, 6.74 + 0.25),
         Template("Wan 2.2 T2V A14B fp8, 640x640x81 (per expert)", "WAN21_T2V",
                  {**presets.WAN21_14B, "num_layers": 40}, 1, (1, 16, 21, 80, 80), 2, 2, 6.74 + 0.25),
+        Template("Wan 2.2 T2V A14B GGUF Q4_K_M, 640x640x81 (per expert)", "WAN21_T2V",
+                 {**presets.WAN21_14B, "num_layers": 40}, GGUF_Q4_K_M_BYTES, (1, 16, 21, 80, 80), 2, 2, 6.74 + 0.25),
         Template("Qwen-Image (fp8), 1328x1328", "QwenImage", {**presets.QWEN_IMAGE, "num_layers": 60},
                  1, (1, 16, 1, 166, 166), 2, 1, 9.38 + 0.25),
         Template("HunyuanVideo T2V, 848x480x73", "HunyuanVideo", hunyuan, 2, (1, 16, 19, 60, 106), 1, 1,
@@ -86,8 +91,8 @@ def _sizes(t: Template, discovery):
         raise AssertionError(f"{t.comfy_config}.matches() rejects {unet_config}")
     dit = _build_on_meta(cfg_cls, unet_config)
     found = discovery.discover_blocks(dit)
-    blocks = [sum(p.numel() for p in b.parameters()) * t.stored_bytes for b in found.blocks]
-    total = sum(p.numel() for p in dit.parameters()) * t.stored_bytes
+    blocks = [int(sum(p.numel() for p in b.parameters()) * t.stored_bytes) for b in found.blocks]
+    total = int(sum(p.numel() for p in dit.parameters()) * t.stored_bytes)
     widths = [m.in_features for m in found.blocks[0].modules() if isinstance(m, nn.Linear)]
     return blocks, total - sum(blocks), min(widths), type(dit).__name__
 

@@ -2,7 +2,8 @@
 
 The server (``python main.py --cpu``, loopback, a free port) runs with ``--base-directory`` set to a temporary
 folder, so models/, custom_nodes/, input/, output/, temp/ and user/ are all private to the session; the pack is a
-symlink ``custom_nodes/layerwise-offload -> <repo>`` (see devtools/server.py). ``LAYERWISE_OFFLOAD_CPU_LOOPBACK=1``
+symlink ``custom_nodes/layerwise-offload -> <repo>`` (see devtools/server.py), next to the peer packs that shipped
+workflows use (ComfyUI-GGUF, unmodified from shared/peers, where it is there). ``LAYERWISE_OFFLOAD_CPU_LOOPBACK=1``
 makes the node run the real offload manager on the CPU instead of passing the model through.
 
 The tiny assets (devtools/e2e_assets.py) are built once into ``<repo>/.comfyui/e2e-assets`` (git-ignored, rebuilt
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from layerwise_offload.devtools import e2e_assets
+from layerwise_offload.devtools import e2e_assets, peers
 from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,7 +48,14 @@ def comfy_base(tmp_path_factory, tiny_assets) -> Path:
 
 
 @pytest.fixture(scope="session")
-def comfy_server(comfy_base):
+def missing_peers(comfy_base):
+    """Installs the peer packs into the session's custom_nodes (before the server starts); returns
+    ``{peer folder: why it is not installed}`` (empty: every peer pack is there)."""
+    return peers.install_available_peers(comfy_base / "custom_nodes")
+
+
+@pytest.fixture(scope="session")
+def comfy_server(comfy_base, missing_peers):
     """The session's running :class:`ComfyServer` (CPU, CPU loopback on)."""
     loopback = os.environ.get("LAYERWISE_OFFLOAD_E2E_LOOPBACK", "1")
     srv = ComfyServer(comfy_base, cpu=True, env={CPU_LOOPBACK_ENV: loopback},

@@ -1,7 +1,9 @@
-"""Every file in workflows/ is a clean UI-format graph for ComfyUI 0.3.75: node types registered (so no
+"""Every file in workflows/ is a clean UI-format graph for the ComfyUI under test: node types registered (so no
 missing-node warning), links consistent on both ends and with the server's declared types, required inputs
 connected, widget values accepted, a LayerwiseOffload node fed straight by a model loader, and a note on
-choosing resident_layers."""
+choosing resident_layers. A workflow that needs another pack (the GGUF one: ComfyUI-GGUF's loader) is checked
+against the session's server, which has that pack installed next to this one; it is skipped, saying why, where
+the pack's source is missing."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from layerwise_offload.devtools.peers import PEER_NODES
 from layerwise_offload.devtools.server import PACK_FOLDER
 from layerwise_offload.devtools.workflow_api import FRONTEND_ONLY, validate_workflow, workflow_to_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 FILES = sorted((REPO / "workflows").glob("*.json"))
 NODE = "LayerwiseOffload"
+LOADERS = ("UNETLoader", "UnetLoaderGGUF")
 
 # The families the brief asks for, each with the diffusion model file(s) its loader must name.
 EXPECTED = {
@@ -23,6 +27,7 @@ EXPECTED = {
     "Wan 2.1 T2V 14B": ["wan2.1_t2v_14B_bf16.safetensors"],
     "Wan 2.2 T2V A14B fp8": ["wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
                              "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"],  # before its prefix below
+    "Wan 2.2 T2V A14B GGUF": ["Wan2.2-T2V-A14B-HighNoise-Q4_K_M.gguf", "Wan2.2-T2V-A14B-LowNoise-Q4_K_M.gguf"],
     "Wan 2.2 T2V A14B": ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan2.2_t2v_low_noise_14B_fp16.safetensors"],
     "Qwen-Image": ["qwen_image_fp8_e4m3fn.safetensors"],
     "HunyuanVideo": ["hunyuan_video_t2v_720p_bf16.safetensors"],
@@ -41,8 +46,11 @@ def test_every_family_has_a_workflow():
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
-def test_workflow_is_valid_for_this_comfyui(path, object_info):
+def test_workflow_is_valid_for_this_comfyui(path, object_info, missing_peers):
     wf = _load(path)
+    needs = {PEER_NODES[n["type"]][0] for n in wf["nodes"] if n["type"] in PEER_NODES}
+    if needs & set(missing_peers):
+        pytest.skip("; ".join(missing_peers[folder] for folder in sorted(needs & set(missing_peers))))
     tiny = path.stem.startswith("Tiny demo")
     problems = validate_workflow(wf, object_info, check_files=tiny)
     assert not problems, "\n".join(problems)
@@ -56,13 +64,13 @@ def test_offload_sits_between_loader_and_sampler(path):
     nodes = {n["id"]: n for n in wf["nodes"]}
     links = {lk[0]: lk for lk in wf["links"]}
     offload = [n for n in wf["nodes"] if n["type"] == NODE]
-    loaders = [n for n in wf["nodes"] if n["type"] == "UNETLoader"]
+    loaders = [n for n in wf["nodes"] if n["type"] in LOADERS]
     expected_files = next(v for k, v in EXPECTED.items() if path.stem.startswith(k))
     assert sorted(n["widgets_values"][0] for n in loaders) == sorted(expected_files)
     assert len(offload) == len(loaders) >= 1, "one LayerwiseOffload per diffusion model"
     for n in offload:
         src = nodes[links[n["inputs"][0]["link"]][1]]
-        assert src["type"] == "UNETLoader", f"node {n['id']} is fed by {src['type']}"
+        assert src["type"] in LOADERS, f"node {n['id']} is fed by {src['type']}"
         assert n["outputs"][0]["links"], f"node {n['id']}'s MODEL output goes nowhere"
         resident, prefetch, policy, pin = n["widgets_values"]
         assert resident == -1, "shipped workflows start in auto mode; the note gives fixed counts"
@@ -76,8 +84,12 @@ def test_offload_sits_between_loader_and_sampler(path):
         "no Note/MarkdownNote explains resident_layers"
 
 
-def test_wan22_runs_each_expert_through_its_own_offload_and_sampler():
-    wf = _load(next(p for p in FILES if p.stem.startswith("Wan 2.2")))
+WAN22 = [p for p in FILES if p.stem.startswith("Wan 2.2")]
+
+
+@pytest.mark.parametrize("path", WAN22, ids=[p.stem for p in WAN22])
+def test_wan22_runs_each_expert_through_its_own_offload_and_sampler(path):
+    wf = _load(path)
     samplers = [n for n in wf["nodes"] if n["type"] == "KSamplerAdvanced"]
     assert len(samplers) == 2
     by_start = sorted(samplers, key=lambda n: n["widgets_values"][7])
@@ -88,13 +100,34 @@ def test_wan22_runs_each_expert_through_its_own_offload_and_sampler():
     nodes = {n["id"]: n for n in wf["nodes"]}
     links = {lk[0]: lk for lk in wf["links"]}
 
-    def loader_of(node):  # walk the MODEL input upstream to the UNETLoader
-        while node["type"] != "UNETLoader":
+    def loader_of(node):  # walk the MODEL input upstream to the loader
+        while node["type"] not in LOADERS:
             model_in = next(i for i in node["inputs"] if i["type"] == "MODEL")
             node = nodes[links[model_in["link"]][1]]
         return node["widgets_values"][0]
 
-    assert "high_noise" in loader_of(hi) and "low_noise" in loader_of(lo)
+    assert "high_noise" in loader_of(hi).lower().replace("highnoise", "high_noise")
+    assert "low_noise" in loader_of(lo).lower().replace("lownoise", "low_noise")
+
+
+def test_gguf_wan22_is_the_fp16_graph_with_comfyui_gguf_loaders():
+    fp16 = _load(next(p for p in WAN22 if p.stem.startswith("Wan 2.2 T2V A14B - ")))
+    gguf = _load(next(p for p in WAN22 if p.stem.startswith("Wan 2.2 T2V A14B GGUF")))
+    assert gguf["links"] == fp16["links"] and gguf["id"] != fp16["id"]
+    swapped = []
+    for a, b in zip(fp16["nodes"], gguf["nodes"]):
+        if a["type"] == "UNETLoader":
+            swapped.append(b)
+            assert b["type"] == "UnetLoaderGGUF" and len(b["widgets_values"]) == 1  # unet_name only
+            assert b["properties"]["cnr_id"] == "comfyui-gguf"  # the missing-node dialog names the pack
+            assert (b["inputs"], b["outputs"]) == (a["inputs"], a["outputs"])
+        elif a["type"] != "MarkdownNote":
+            assert a == b
+    assert len(swapped) == 2
+    note = next(n for n in gguf["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
+    for needed in ("ComfyUI-GGUF", "https://github.com/city96/ComfyUI-GGUF", "models/unet", "models/diffusion_models",
+                   "https://huggingface.co/QuantStack/Wan2.2-T2V-A14B-GGUF", *(n["widgets_values"][0] for n in swapped)):
+        assert needed in note, needed
 
 
 @pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
@@ -116,4 +149,4 @@ def test_readme_memory_table_is_what_the_planner_prints(capsys):
     template_memory.main([])
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert len(table) == 7 and all(line in readme for line in table), "\n".join(table)
+    assert len(table) == 8 and all(line in readme for line in table), "\n".join(table)
