@@ -44,6 +44,7 @@ class BenchConfig:
     deadline_s: Optional[float] = None  # stop starting layerwise runs after this many seconds
     quiet: bool = False
     inference_mode: bool = True  # sample under torch.inference_mode(), as ComfyUI's executor does
+    formats: Sequence[str] = ()  # weight formats to compare (bench_formats.py); empty: the side-by-side run
 
 
 @dataclass

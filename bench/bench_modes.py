@@ -63,7 +63,7 @@ class Harness:
             self.dtype = torch.float32
 
         started = time.perf_counter()
-        self.patcher = dit_presets.build(self.preset, seed=cfg.seed, dtype=self.dtype, blocks=cfg.blocks)
+        self.patcher = self.build_patcher()
         self.diffusion_model = self.patcher.get_model_object("diffusion_model")
         self.discovered = discover_blocks(self.diffusion_model)
         self.log(f"built {cfg.preset} ({type(self.diffusion_model).__name__}, {len(self.discovered)} blocks in "
@@ -90,6 +90,10 @@ class Harness:
         def count_forward(module, args):
             self.forwards += 1
         self._forward_hook = self.diffusion_model.register_forward_pre_hook(count_forward)
+
+    def build_patcher(self):
+        """The model under test: the preset with random weights (bench_formats.py loads it from a file instead)."""
+        return self.presets.build(self.preset, seed=self.config.seed, dtype=self.dtype, blocks=self.config.blocks)
 
     def _offload(self, resident, prefetch, policy):
         from ..nodes.offload_node import offload_model

@@ -5,6 +5,8 @@ and this pack's layerwise offload, at the same VRAM budgets.
     python -P bench/comfy_bench.py --preset flux,wan21_14b,qwen_image --device cuda --deadline-s 90 --out DIR
     python -P bench/comfy_bench.py --preset tiny --device cpu --steps 10 --budgets 0.6,0.75,0.9 --out bench/results
     (the last one is the committed CPU proxy; bench/gpu_run.sh is the one-call GPU run)
+    python -P bench/comfy_bench.py --preset wan21_14b --blocks 4 --formats bf16,fp8_mixed,gguf_q4_0 --residents 0,2
+    (weight formats side by side: bench_formats.py)
 
 Budgets (``--budgets``, default 0.3,0.5,0.7,0.9): a fraction f means the non-block weights plus f times the blocks'
 bytes; a size (12GiB, 800MiB) is taken as is. B is a budget for WEIGHTS on the device (what ComfyUI's
@@ -105,6 +107,8 @@ _comfy_env()  # run as a script, the pack's modules import as `layerwise_offload
 
 from layerwise_offload.bench.bench_config import (  # noqa: E402  (after the pack is registered)
     COLUMNS, CPU_LOOPBACK_ENV, DTYPES, MODES, SUMMARY_COLUMNS, BenchConfig, BenchResult)
+from layerwise_offload.bench.bench_formats import (  # noqa: E402
+    markdown, parse_formats, run_formats, write_format_outputs)
 from layerwise_offload.bench.bench_modes import Harness  # noqa: E402
 from layerwise_offload.bench.bench_report import print_result, write_outputs  # noqa: E402
 
@@ -158,6 +162,22 @@ def run_bench(config: BenchConfig) -> BenchResult:
     return result
 
 
+def run_formats_bench(config: BenchConfig):
+    """The weight-format comparison (bench_formats.py) for ``config.preset``, bf16 unless ``--dtype`` says
+    otherwise; writes its CSV / Markdown under ``config.out``. Returns (rows, skipped lines, files).
+
+    Every format samples outside ``torch.inference_mode()``: under it, ComfyUI's own ``QuantizedTensor`` weights
+    fail before the first step (0.3.75 and 0.14.1, without this pack: ``Cannot set version_counter for inference
+    tensor`` from ``module_size`` / ``Parameter.__new__`` detaching them)."""
+    config = dataclasses.replace(config, dtype=config.dtype or "bf16", budgets=(), plot=False, inference_mode=False)
+    log = (lambda *a: None) if config.quiet else (lambda *a: print("[comfy-bench]", *a, flush=True))
+    cpu = config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available())
+    with _cpu_threads(config.device, config.threads), _env(CPU_LOOPBACK_ENV, "1" if cpu else None):
+        rows, skipped = run_formats(config, log)
+    files = write_format_outputs(rows, skipped, config, "cpu" if cpu else "cuda") if config.out is not None else {}
+    return rows, skipped, files
+
+
 # ----------------------------------------------------------------------------------------------- CLI
 def _ints(text: str) -> List[int]:
     return [int(part) for part in text.split(",") if part.strip()]
@@ -190,6 +210,8 @@ def parse_args(argv=None) -> BenchConfig:
                         help="start no layerwise run after this many seconds (keeps a GPU call inside its limit)")
     parser.add_argument("--no-inference-mode", action="store_true",
                         help="sample outside torch.inference_mode() (ComfyUI's executor uses it; default: use it)")
+    parser.add_argument("--formats", default="", help="compare weight formats instead (bench_formats.py): "
+                        "bf16,fp8_mixed,gguf_q4_0 (Wan presets); with --residents for the node's runs")
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--dry-run", action="store_true",
                         help="import ComfyUI on the CPU and check the presets resolve; run nothing")
@@ -201,7 +223,7 @@ def parse_args(argv=None) -> BenchConfig:
         residents=None if a.residents == "auto" else _ints(a.residents), prefetch=_ints(a.prefetch),
         policies=[p.strip() for p in a.policies.split(",") if p.strip()],
         out=Path(a.out) if a.out else None, plot=not a.no_plot, threads=a.threads, deadline_s=a.deadline_s,
-        quiet=a.quiet, inference_mode=not a.no_inference_mode,
+        quiet=a.quiet, inference_mode=not a.no_inference_mode, formats=parse_formats(a.formats),
     )
 
 
@@ -224,6 +246,12 @@ def main(argv=None) -> int:
         return dry_run(config)
     status = 0
     for preset in [p.strip() for p in config.preset.split(",") if p.strip()]:
+        if config.formats:
+            rows, skipped, _ = run_formats_bench(dataclasses.replace(config, preset=preset))
+            print(markdown(rows, skipped), flush=True)
+            bad = [r for r in rows if r["error"] or not r["bitwise_equal"]]
+            status = status or (1 if bad else 0)
+            continue
         try:
             result = run_bench(dataclasses.replace(config, preset=preset))
         except Exception:  # noqa: BLE001 - report and go on with the next preset

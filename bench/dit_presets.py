@@ -85,6 +85,10 @@ TINY_FLUX = dict(
     patch_size=2, qkv_bias=True,
 )
 
+# A Wan 2.1 small enough for the CPU, in the shapes ComfyUI's detector reads back from a file (heads of 128,
+# text_dim 4096), so the weight-format comparison (bench_formats.py) can reload it as fp8 mixed or GGUF.
+TINY_WAN = dict(WAN21_14B, dim=256, num_heads=2, ffn_dim=512)
+
 PRESETS: Dict[str, Preset] = {p.name: p for p in (
     Preset("flux", "Flux", FLUX_DEV, ("depth", "depth_single_blocks"), (4, 8), (19, 38),
            latent_shape=(1, 16, 128, 128), context_shape=(1, 512, 4096), pooled_dim=768, guidance=3.5, cfg=1.0,
@@ -98,6 +102,9 @@ PRESETS: Dict[str, Preset] = {p.name: p for p in (
            latent_shape=(1, 16, 1, 128, 128), context_shape=(1, 256, 3584), cfg=2.5,
            notes="Qwen-Image blocks (24 heads of 128, text 3584); 1024x1024 = 4096 image + 256 text tokens; "
                  "cfg 2.5: cond + uncond"),
+    Preset("tiny_wan", "WAN21_T2V", TINY_WAN, ("num_layers",), (4,), (4,),
+           latent_shape=(1, 16, 2, 8, 8), context_shape=(1, 8, 4096), cfg=2.0,
+           notes="Wan 2.1 T2V shaped, dim 256 (2 heads of 128), ffn 512, 4 blocks, 32 image tokens; for the CPU"),
     Preset("tiny", "Flux", TINY_FLUX, ("depth", "depth_single_blocks"), (2, 4), (2, 4),
            latent_shape=(1, 16, 16, 16), context_shape=(1, 8, 64), pooled_dim=32, guidance=3.5, cfg=2.0,
            dtype=torch.float32,

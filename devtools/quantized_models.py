@@ -7,7 +7,8 @@
   matrices quantized to Q8_0 / Q4_0 / Q5_0 (or F16) by the ``gguf`` package, everything else float32 (as
   ComfyUI-GGUF's own convert tool keeps 1-D tensors unquantized).
 
-The weights are those of :func:`.tiny_dits.build_wan21` with the same seed.
+The weights are those of :func:`.tiny_dits.build_wan21` with the same seed. :func:`save_fp8_mixed` and
+:func:`save_gguf` write any Wan state dict the same way (bench/bench_formats.py: the benchmark presets' blocks).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 
 from .tiny_dits import build_wan21
 
-__all__ = ["save_tiny_wan21_fp8_mixed", "save_tiny_wan21_gguf", "GGUF_TYPES", "tiny_wan21_state_dict"]
+__all__ = ["save_tiny_wan21_fp8_mixed", "save_tiny_wan21_gguf", "save_fp8_mixed", "save_gguf", "GGUF_TYPES",
+           "tiny_wan21_state_dict"]
 
 GGUF_TYPES = ("F16", "Q8_0", "Q5_0", "Q4_0")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
@@ -36,20 +38,24 @@ def _is_block_matrix(key: str, tensor: torch.Tensor) -> bool:
 
 
 def save_tiny_wan21_fp8_mixed(path: "os.PathLike | str", seed: int = 0) -> str:
-    """Every 2-D block weight and the text embedding's linears as fp8 e4m3 with a per-tensor ``weight_scale``
-    (the text embedding: a quantized weight outside the blocks, as in ComfyUI's own fp8 files); returns the path."""
-    sd = tiny_wan21_state_dict(seed)
+    return save_fp8_mixed(tiny_wan21_state_dict(seed), path, "tiny wan2.1 t2v test model, fp8 mixed precision")
+
+
+def save_fp8_mixed(sd: Dict[str, torch.Tensor], path: "os.PathLike | str", description: str) -> str:
+    """A Wan state dict with every 2-D block weight and the text embedding's linears as fp8 e4m3 with a per-tensor
+    ``weight_scale`` (the text embedding: a quantized weight outside the blocks, as in ComfyUI's own fp8 files),
+    everything else as given; returns the path. ``sd`` is changed in place."""
     layers = {}
     quantized = [k for k, v in sd.items() if _is_block_matrix(k, v) or (k.startswith("text_embedding.") and v.ndim == 2)]
     for key in quantized:
-        weight = sd[key]
+        weight = sd[key].float()
         scale = (weight.abs().amax() / FP8_MAX).to(torch.float32)
         sd[key] = (weight / scale).to(torch.float8_e4m3fn)
         layer = key[: -len(".weight")]
         sd[f"{layer}.weight_scale"] = scale
         layers[layer] = {"format": "float8_e4m3fn"}
     metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers}),
-                "layerwise_offload": "tiny wan2.1 t2v test model, fp8 mixed precision"}
+                "layerwise_offload": description}
     return _save_safetensors(sd, path, metadata)
 
 
@@ -64,6 +70,11 @@ def _save_safetensors(sd, path, metadata) -> str:
 
 def save_tiny_wan21_gguf(path: "os.PathLike | str", qtype: str = "Q8_0", seed: int = 0) -> str:
     """The tiny Wan 2.1 as a GGUF file (arch ``wan``, what ComfyUI-GGUF's loader reads); block matrices in ``qtype``."""
+    return save_gguf(tiny_wan21_state_dict(seed), path, qtype)
+
+
+def save_gguf(sd: Dict[str, torch.Tensor], path: "os.PathLike | str", qtype: str = "Q8_0") -> str:
+    """A Wan state dict as a GGUF file (arch ``wan``): block matrices in ``qtype``, everything else float32."""
     import gguf
     import numpy as np
 
@@ -75,7 +86,7 @@ def save_tiny_wan21_gguf(path: "os.PathLike | str", qtype: str = "Q8_0", seed: i
     writer = gguf.GGUFWriter(path=None, arch="wan")
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "Q8_0" else gguf.LlamaFileType.ALL_F32)
-    for key, tensor in tiny_wan21_state_dict(seed).items():
+    for key, tensor in sd.items():
         data = tensor.float().numpy()
         if _is_block_matrix(key, tensor):
             packed = gguf.quants.quantize(data, kind)
