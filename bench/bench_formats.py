@@ -65,6 +65,15 @@ def parse_formats(text: str) -> Tuple[str, ...]:
     return chosen
 
 
+def check_preset(preset: str) -> None:
+    """The quantized files are read back by ComfyUI's model detection and written with Wan's key layout."""
+    from .dit_presets import PRESETS
+
+    if PRESETS[preset].comfy_config != "WAN21_T2V":
+        wan = ", ".join(name for name, p in PRESETS.items() if p.comfy_config == "WAN21_T2V")
+        raise ValueError(f"--formats needs a Wan preset ({wan}), not {preset!r}")
+
+
 def gguf_missing() -> str:
     """Why the GGUF format cannot run here ('' when it can)."""
     if peers.peer_tarball() is None:
@@ -119,13 +128,15 @@ def _rows(fmt: str, harness, result, stored: List[int], kind: str) -> List[Dict[
         keep = choose_resident_blocks(n, r["resident"], r["policy"] or "leading") if r["mode"] == "layerwise" \
             else [True] * n
         forwards = r["forwards_per_step"] or 1
+        moved = "" if r["h2d_bytes_per_step"] == "" else r["h2d_bytes_per_step"] / forwards
+        moved = int(moved) if moved != "" and float(moved).is_integer() else moved  # whole bytes stay exact in the CSV
         row = {c: "" for c in FORMAT_COLUMNS}
         row.update(preset=r["preset"], device=r["device"], format=fmt, loader=LOADERS[fmt], weight_type=kind,
                    mode=r["mode"], num_blocks=n, resident=r["resident"], streamed_blocks=keep.count(False),
                    stored_bytes_per_block=max(stored),
                    streamed_stored_bytes=sum(s for s, k in zip(stored, keep) if not k),
                    streamed_bytes_per_forward=r["streamed_bytes_per_forward"],
-                   h2d_bytes_per_forward=(r["h2d_bytes_per_step"] / forwards) if r["h2d_bytes_per_step"] != "" else "",
+                   h2d_bytes_per_forward=moved,
                    step_ms=r["step_ms"], forwards_per_step=r["forwards_per_step"],
                    stall_ms_per_step=r["stall_ms_per_step"], bitwise_equal=r["bitwise_equal"], error=r["error"])
         rows.append(row)
@@ -135,6 +146,7 @@ def _rows(fmt: str, harness, result, stored: List[int], kind: str) -> List[Dict[
 def run_formats(config: BenchConfig, log) -> Tuple[List[Dict[str, object]], List[str]]:
     """Every format of ``config.formats`` in turn (one process, one ComfyUI); returns (rows, skipped lines).
     The caller sets the CPU loopback and threads (comfy_bench.run_formats_bench)."""
+    check_preset(config.preset)
     bf16 = Harness(config)
     bf16.setup()  # imports ComfyUI for the device and builds the preset: the weights every format starts from
     state_dict = {k: v.detach().to("cpu", copy=True) for k, v in bf16.diffusion_model.state_dict().items()}

@@ -108,7 +108,7 @@ _comfy_env()  # run as a script, the pack's modules import as `layerwise_offload
 from layerwise_offload.bench.bench_config import (  # noqa: E402  (after the pack is registered)
     COLUMNS, CPU_LOOPBACK_ENV, DTYPES, MODES, SUMMARY_COLUMNS, BenchConfig, BenchResult)
 from layerwise_offload.bench.bench_formats import (  # noqa: E402
-    markdown, parse_formats, run_formats, write_format_outputs)
+    check_preset, gguf_missing, markdown, parse_formats, run_formats, write_format_outputs)
 from layerwise_offload.bench.bench_modes import Harness  # noqa: E402
 from layerwise_offload.bench.bench_report import print_result, write_outputs  # noqa: E402
 
@@ -234,6 +234,11 @@ def dry_run(config: BenchConfig) -> int:
     for preset in [p.strip() for p in config.preset.split(",") if p.strip()]:
         print(f"[comfy-bench] dry run: preset {preset} resolves to "
               f"{dit_presets.check_resolves(preset, env.supported_models)} in ComfyUI at {env.path}", flush=True)
+        if config.formats:
+            check_preset(preset)
+            why = gguf_missing() if "gguf_q4_0" in config.formats else ""
+            print(f"[comfy-bench] dry run: formats {','.join(config.formats)} of {preset}"
+                  + (f"; gguf_q4_0 would be skipped: {why}" if why else "; ComfyUI-GGUF and gguf found"), flush=True)
     return 0
 
 

@@ -167,5 +167,6 @@ def test_gpu_run_dry_run_proves_every_step_before_cuda(tmp_path):
     out = run.stdout
     assert "[activation_memory] dry run: built LTXV 2B" in out
     assert "[comfy-bench] dry run: preset flux resolves to Flux" in out
+    assert "[comfy-bench] dry run: formats bf16,fp8_mixed,gguf_q4_0 of wan21_14b" in out
     assert "[dynamic_vram_bench] dry run: ComfyUI 0.14.1, comfy_aimdo ok" in out
     assert "preset flux resolves to Flux" in out.split("[dynamic_vram_bench]", 1)[1]
