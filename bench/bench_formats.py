@@ -143,6 +143,13 @@ def _rows(fmt: str, harness, result, stored: List[int], kind: str) -> List[Dict[
     return rows
 
 
+def _failed_row(config: BenchConfig, fmt: str, error: Exception) -> Dict[str, object]:
+    row = {c: "" for c in FORMAT_COLUMNS}
+    row.update(preset=config.preset, format=fmt, loader=LOADERS[fmt], mode="full", bitwise_equal=False,
+               error=f"{type(error).__name__}: {error}"[:300])
+    return row
+
+
 def run_formats(config: BenchConfig, log) -> Tuple[List[Dict[str, object]], List[str]]:
     """Every format of ``config.formats`` in turn (one process, one ComfyUI); returns (rows, skipped lines).
     The caller sets the CPU loopback and threads (comfy_bench.run_formats_bench)."""
@@ -158,17 +165,19 @@ def run_formats(config: BenchConfig, log) -> Tuple[List[Dict[str, object]], List
         if "bf16" not in config.formats:
             bf16.teardown()
         for fmt in (f for f in FORMATS if f in config.formats):  # bf16 first: its harness holds the weights
-            if fmt == "bf16":
-                harness = bf16
-            elif fmt in loaders:
-                harness = FormatHarness(config, loaders[fmt])
-                harness.setup()
-            else:
+            if fmt != "bf16" and fmt not in loaders:
                 continue
+            harness = bf16 if fmt == "bf16" else FormatHarness(config, loaders[fmt])
             try:
+                if harness is not bf16:
+                    harness.setup()
                 stored, kind = _stored_bytes(harness)
                 log(f"{fmt}: {kind} weights, {max(stored) / 2**20:.1f} MiB stored per block")
                 rows += _rows(fmt, harness, harness.run(), stored, kind)
+            except Exception as error:  # noqa: BLE001 - one format failing is a result; the others still run
+                import traceback
+                traceback.print_exc()
+                rows.append(_failed_row(config, fmt, error))
             finally:
                 harness.teardown()
             bf16 = harness = None
@@ -190,6 +199,9 @@ def markdown(rows, skipped) -> str:
         moved = "" if r["h2d_bytes_per_forward"] == "" else f"{r['h2d_bytes_per_forward']:,.0f}"
         ratio = "" if r["vs_bf16"] == "" else f"{r['vs_bf16']:.2f}"
         check = "FAILED: " + r["error"] if r["error"] else ("equal" if r["bitwise_equal"] else "DIFFERENT")
+        if r["error"] and r["step_ms"] == "":
+            lines.append(f"| {r['format']} | | {r['mode']} | | | | | | | {check} |")
+            continue
         lines.append(f"| {r['format']} | {r['weight_type']} | {r['mode']} | {r['resident']} / {r['streamed_blocks']} | "
                      f"{r['streamed_stored_bytes']:,} | {r['streamed_bytes_per_forward']:,} | {moved} | {ratio} | "
                      f"{r['step_ms']:.1f} | {check} |")
