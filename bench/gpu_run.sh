@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The whole GPU measurement in one device call (about 8 min, default cap TOTAL_S=450 s), no network:
+# The whole GPU measurement in one device call (about 8 min, default cap TOTAL_S=480 s), no network:
 #
 #   bash bench/gpu_prep.sh               # here, once: fills .gpu/ (two ComfyUI trees, wheels)
 #   bash bench/gpu_run.sh                # on the device: carry [".gpu"]
@@ -14,7 +14,7 @@
 #      the layerwise sweep and auto, all compared bitwise with the full load               cap BENCH_S (150 s)
 #   3b. ComfyUI 0.3.75: comfy_bench.py --formats: FMT_BLOCKS (4) Wan 14B blocks in bf16, fp8 mixed (QuantizedTensor)
 #      and GGUF Q4_0 (ComfyUI-GGUF from .gpu/peers, gguf from .gpu/wheels), each fully loaded and with 0 and
-#      FMT_BLOCKS/2 blocks resident: bytes per forward and bitwise checks per format             cap FMT_S (60 s)
+#      FMT_BLOCKS/2 blocks resident: bytes per forward and bitwise checks per format             cap FMT_S (90 s)
 #   4. ComfyUI 0.14.1: bench/dynamic_vram_bench.py on PRESETS14 (flux,wan21_14b): full load, ComfyUI's dynamic
 #      VRAM (comfy-aimdo active) and this pack at its defaults (auto), each on the whole GPU and with ComfyUI told
 #      that only LIMITS x the weights are free; one process per run, then the bitwise comparison      cap DYN_S (150 s)
@@ -44,7 +44,7 @@ export PYTHONUNBUFFERED=1
 STATUS=0
 
 say() { echo "[gpu_run] $*" | tee -a "$LOG"; }
-left() { echo $(( ${TOTAL_S:-450} - ($(date +%s) - START) )); }
+left() { echo $(( ${TOTAL_S:-480} - ($(date +%s) - START) )); }
 step() {  # step NAME CAP_S command...: runs under min(CAP_S, time left), logs, records a failure, goes on
     local name="$1" cap="$2"; shift 2
     local budget; budget=$(left)
@@ -141,9 +141,9 @@ FMT_BLOCKS="${FMT_BLOCKS:-4}"
 FMT_ARGS=(--preset wan21_14b --blocks "$FMT_BLOCKS" --steps 3 --formats bf16,fp8_mixed,gguf_q4_0
           --residents "0,$(( FMT_BLOCKS / 2 ))" --prefetch 1 --policies leading --out "$RESULTS/formats_0.3.75")
 if (( DRY )); then
-    step "ComfyUI 0.3.75 weight formats (dry run)" "${FMT_S:-60}" "${with075[@]}" "$PY" -P bench/comfy_bench.py --dry-run "${FMT_ARGS[@]}"
+    step "ComfyUI 0.3.75 weight formats (dry run)" "${FMT_S:-90}" "${with075[@]}" "$PY" -P bench/comfy_bench.py --dry-run "${FMT_ARGS[@]}"
 else
-    step "ComfyUI 0.3.75 weight formats" "${FMT_S:-60}" "${with075[@]}" "$PY" -P bench/comfy_bench.py --device cuda "${FMT_ARGS[@]}"
+    step "ComfyUI 0.3.75 weight formats" "${FMT_S:-90}" "${with075[@]}" "$PY" -P bench/comfy_bench.py --device cuda "${FMT_ARGS[@]}"
 fi
 
 # --------------------------------------------------------------------------- 4. ComfyUI 0.14.1 dynamic VRAM
