@@ -97,8 +97,9 @@ def test_object_info_describes_the_node(object_info):
 
 def test_pack_imported_without_errors(comfy_server, object_info):
     log = comfy_server.log_text()
-    assert "Cannot import" not in log or PACK_FOLDER not in "\n".join(
-        line for line in log.splitlines() if "Cannot import" in line), log
+    # ComfyUI names a module it cannot import by its path; the repository's own folder may be named like the pack.
+    ours = [line for line in log.splitlines() if "Cannot import" in line and f"custom_nodes/{PACK_FOLDER}" in line]
+    assert not ours, log
     lines = [line for line in log.splitlines() if line.rstrip().endswith("custom_nodes/" + PACK_FOLDER)]
     assert lines, "the pack is not in ComfyUI's 'Import times for custom nodes' list"
     assert all("IMPORT FAILED" not in line for line in lines), lines

@@ -149,4 +149,4 @@ def test_readme_memory_table_is_what_the_planner_prints(capsys):
     template_memory.main([])
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert len(table) == 9 and all(line in readme for line in table), "\n".join(table)
+    assert len(table) > 2 and all(line in readme for line in table), "\n".join(table)
