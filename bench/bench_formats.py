@@ -184,7 +184,8 @@ def run_formats(config: BenchConfig, log) -> Tuple[List[Dict[str, object]], List
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    base = {r["resident"]: r["h2d_bytes_per_forward"] for r in rows if r["format"] == "bf16" and r["mode"] == "layerwise"}
+    base = {r["resident"]: r["h2d_bytes_per_forward"] for r in rows
+            if r["format"] == "bf16" and r["mode"] == "layerwise"}
     for r in rows:
         if r["mode"] == "layerwise" and base.get(r["resident"]) and r["h2d_bytes_per_forward"] != "":
             r["vs_bf16"] = r["h2d_bytes_per_forward"] / base[r["resident"]]
@@ -193,7 +194,8 @@ def run_formats(config: BenchConfig, log) -> Tuple[List[Dict[str, object]], List
 
 def markdown(rows, skipped) -> str:
     lines = ["| format | weight type | mode | resident / streamed | stored bytes of the streamed blocks | "
-             "bytes per forward (layout) | moved per forward (counted) | vs bf16 | ms/step | bitwise vs its full load |",
+             "bytes per forward (layout) | moved per forward (counted) | vs bf16 | ms/step | "
+             "bitwise vs its full load |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         moved = "" if r["h2d_bytes_per_forward"] == "" else f"{r['h2d_bytes_per_forward']:,.0f}"

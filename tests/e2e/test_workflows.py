@@ -125,8 +125,9 @@ def test_gguf_wan22_is_the_fp16_graph_with_comfyui_gguf_loaders():
             assert a == b
     assert len(swapped) == 2
     note = next(n for n in gguf["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
+    files = [n["widgets_values"][0] for n in swapped]
     for needed in ("ComfyUI-GGUF", "https://github.com/city96/ComfyUI-GGUF", "models/unet", "models/diffusion_models",
-                   "https://huggingface.co/QuantStack/Wan2.2-T2V-A14B-GGUF", *(n["widgets_values"][0] for n in swapped)):
+                   "https://huggingface.co/QuantStack/Wan2.2-T2V-A14B-GGUF", *files):
         assert needed in note, needed
 
 
