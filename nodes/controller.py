@@ -27,6 +27,7 @@ from ..offload.planner import describe, format_bytes, forward_activation_bytes, 
 from ..offload.tensor_subclass import point_param_at, weight_nbytes
 from .discovery import DiscoveredBlocks
 from .host_ram import compact_backups, comfyui_pinner
+from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store
 
 log = logging.getLogger("layerwise_offload")
 
@@ -102,6 +103,7 @@ class OffloadController:
         self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
         self._run_start = None
+        self._device_plan = {}  # block index -> the weights LoRA'd on the device (device_lora.py)
 
     # ----------------------------------------------------------------- plan
     def _effective_config(self) -> OffloadConfig:
@@ -157,9 +159,11 @@ class OffloadController:
                     yield tensor
 
     # ----------------------------------------------------------------- load / unload
-    def place(self, patcher, device_to, extra_memory=None, loaded_before: int = 0) -> None:
+    def place(self, patcher, device_to, extra_memory=None, loaded_before: int = 0, bake_all: bool = False) -> None:
         """ComfyUI's load: non-block weights to the device (LoRA baked), blocks into the host store.
 
+        Block LoRA is applied on the device after each copy (device_lora.py), except for the weights
+        that must be baked into the store, or all of them with ``bake_all`` (ComfyUI's force_patch_weights).
         ``extra_memory`` is ComfyUI's budget for more weights on the device (what its partial
         loading would use); the resident count is capped so the plan stays inside it.
         """
@@ -167,11 +171,26 @@ class OffloadController:
         self.put_non_block_weights(patcher, device_to)
         self._fit_budget(extra_memory, loaded_before)
         self._use_own_settings()
-        self._bake_block_patches(patcher, device_to)
+        plan = {} if bake_all else device_patch_plan(patcher, self.discovered.blocks, self.block_keys)
+        self._bake_block_patches(patcher, device_to, skip={key for p in plan.values() for _, key, _ in p})
         changed = self.manager.prepare(progress=_progress_bar())
         if changed:
             log.info("[layerwise-offload] host store: %d blocks packed (%s, %s pinned)", len(changed),
                      _gib(self.manager.store.nbytes()), _gib(self.manager.store.pinned_nbytes()))
+        self._patch_on_device(patcher, device_to, plan)
+
+    def _patch_on_device(self, patcher, device_to, plan) -> None:
+        # The manager is shared by every output of this model: another output may have set its own LoRA.
+        keys = tuple((index, tuple(key for _, key, _ in patches)) for index, patches in plan.items())
+        signature = (patcher.patches_uuid, str(device_to), keys)
+        if plan and getattr(self.manager.after_copy, "signature", None) != signature:
+            self.manager.set_after_copy(DeviceLora(plan, device_to, signature))
+            log.info("[layerwise-offload] LoRA over %d block weights applied on the device as blocks are copied in",
+                     sum(len(p) for p in plan.values()))
+        elif not plan:
+            self.manager.set_after_copy(None)
+        self._device_plan = plan
+        point_backups_at_store(patcher, plan, self.manager.store)
 
     def put_non_block_weights(self, patcher, device_to) -> None:
         device_to = normalize_device(torch.device(device_to))
@@ -190,7 +209,7 @@ class OffloadController:
                 if buffer is not None and buffer.device != device_to:
                     module._buffers[key] = buffer.to(device_to)
 
-    def _bake_block_patches(self, patcher, device_to) -> None:
+    def _bake_block_patches(self, patcher, device_to, skip=frozenset()) -> None:
         """Bake LoRA into the host store the way ComfyUI bakes a fully loaded model.
 
         ComfyUI's own ``patch_weight_to_device`` does the math (fp32 on the device, stochastic
@@ -201,7 +220,7 @@ class OffloadController:
         """
         pending: Dict[int, List[str]] = {}
         for key in patcher.patches:
-            if key in patcher.backup:
+            if key in patcher.backup or key in skip:
                 continue
             for index, prefix in enumerate(self.block_keys):
                 if key.startswith(prefix):
@@ -324,6 +343,7 @@ class OffloadController:
         self.manager.reset_peaks()
         if self.manager.prepare():
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
+            point_backups_at_store(patcher, self._device_plan, self.manager.store)
         self._auto_planned_this_run = False
         self._run_start = (time.perf_counter(), self.manager.stats(synchronize=False))
 
