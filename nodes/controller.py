@@ -25,6 +25,7 @@ from ..offload.advice import RunReport, recommend
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
 from ..offload.tensor_subclass import point_param_at, weight_nbytes
+from ..offload.pinning import return_freed_host_memory
 from .discovery import DiscoveredBlocks
 from .host_ram import compact_backups, comfyui_pinner
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store
@@ -352,6 +353,9 @@ class OffloadController:
             return None
         started, before = self._run_start
         self._run_start = None
+        if self.manager.after_copy is not None and self.device.type == "cpu":
+            # CPU loopback: the device-side LoRA's scratch tensors were host memory; glibc keeps them otherwise.
+            return_freed_host_memory()
         after = self.manager.stats()
         forwards = after.forwards - before.forwards
         if forwards == 0:
