@@ -117,3 +117,25 @@ def test_lora_is_applied_on_the_device_and_the_host_keeps_the_weights_once():
         assert torch.equal(backup.weight, originals[key])
     mm.unload_all_models()
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), plain)  # the backups restore the originals
+
+
+def test_force_patch_weights_bakes_the_lora_into_what_comfyui_reads():
+    """ComfyUI asks for really patched weights (force_patch_weights) when it saves or merges a model: the blocks'
+    weights then hold the LoRA, baked into the host store; the next ordinary run applies it on the device again."""
+    reference_model = tiny_dits.build_tiny("wan21")
+    lora = random_block_lora(reference_model)
+    reference, _ = comfy.sd.load_lora_for_models(reference_model, None, lora, 0.8, 0)
+    mm.load_models_gpu([reference], force_full_load=True)
+    want = {k: v.clone() for k, v in reference.model.state_dict().items() if ".blocks." in k}
+    want_out = tiny_dits.sample(reference, seed=3)
+    mm.unload_all_models()
+    model = tiny_dits.build_tiny("wan21")
+    offloaded = offload_model(comfy.sd.load_lora_for_models(model, None, lora, 0.8, 0)[0], 1, 1, "leading", True)
+    mm.load_models_gpu([offloaded], force_patch_weights=True)
+    got = {k: v for k, v in offloaded.model.state_dict().items() if ".blocks." in k}
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key}: not ComfyUI's patched weight"
+    assert controller_of(offloaded).manager.after_copy is None
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), want_out)
+    assert controller_of(offloaded).manager.after_copy is not None
