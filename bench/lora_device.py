@@ -85,7 +85,7 @@ def main() -> None:
     reference = sample(with_lora(build()))
     mm.unload_all_models()
     device_plan = controller_module.device_patch_plan
-    rows, times = {}, {}
+    rows, times, copies, transform_seconds = {}, {}, {}, [0.0]
     for _ in range(args.cycles):  # the ways take turns, so a busy machine slows each of them alike
         for way in ("device", "baked", "none"):
             controller_module.device_patch_plan = device_plan if way == "device" else (lambda *a, **k: {})
@@ -93,6 +93,10 @@ def main() -> None:
             offloaded = offload_model(with_lora(model) if way != "none" else model, 0, 1, "leading", False)
             out = sample(offloaded)  # warm-up: packs the host store
             manager = offloaded.attachments["layerwise_offload"].manager
+            if manager.after_copy is not None:
+                transform_seconds[0] = 0.0
+                manager._after_copy = timed(manager.after_copy, args.device, transform_seconds)
+            copies_before, copy_seconds_before = manager.stats().copies_issued, manager.stats().copy_seconds
             for _ in range(args.repeats):
                 before = manager.stats().forwards
                 if args.device == "cuda":
@@ -104,6 +108,8 @@ def main() -> None:
                 times.setdefault(way, []).append(time.perf_counter() - start)
                 forwards = manager.stats().forwards - before
             equal = torch.equal(out, reference) if way != "none" else None
+            after = manager.stats()
+            copies[way] = (after.copies_issued - copies_before, after.copy_seconds - copy_seconds_before)
             rows[way] = (min(times[way]) / args.steps, forwards, manager.store.nbytes(), equal)
             del offloaded, model, manager
             mm.unload_all_models()
@@ -120,6 +126,21 @@ def main() -> None:
     print(f"  device / baked = {device / baked:.3f}, device / none = {device / none:.3f}; "
           f"extra per streamed block copy: {(device - baked) / copies_per_step * 1000:.2f} ms "
           f"({(device - baked) / baked:.1%} of a baked step)")
+    if args.device == "cpu":  # synchronous: the copy clock holds the copy and the transform, one after the other
+        count, seconds = copies["device"]
+        math, copy = transform_seconds[0] / count, (seconds - transform_seconds[0]) / count
+        print(f"  LoRA math per block copy {math * 1000:.2f} ms against the copy itself {copy * 1000:.2f} ms: "
+              f"math / copy = {math / copy:.2f} ({count} copies in the last cycle)")
+
+
+def timed(transform, device, total):
+    """``transform`` with its time added to ``total[0]`` (host clock; on CUDA only the time to queue it)."""
+    def run(index, weights):
+        start = time.perf_counter()
+        transform(index, weights)
+        total[0] += time.perf_counter() - start
+    run.signature = transform.signature
+    return run
 
 
 if __name__ == "__main__":

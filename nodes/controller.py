@@ -28,7 +28,7 @@ from ..offload.tensor_subclass import point_param_at, weight_nbytes
 from ..offload.pinning import return_freed_host_memory
 from .discovery import DiscoveredBlocks
 from .host_ram import compact_backups, comfyui_pinner
-from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store
+from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
 
 log = logging.getLogger("layerwise_offload")
 
@@ -105,6 +105,7 @@ class OffloadController:
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
         self._run_start = None
         self._device_plan = {}  # block index -> the weights LoRA'd on the device (device_lora.py)
+        self.device_lora_scratch = 0  # device bytes its math takes at most, beside the blocks (in model_size())
 
     # ----------------------------------------------------------------- plan
     def _effective_config(self) -> OffloadConfig:
@@ -136,7 +137,7 @@ class OffloadController:
     def planned_footprint(self) -> int:
         """What ComfyUI is told this model needs on the device (``model_size()``)."""
         count = resolve_resident_count(self._effective_config().resident_layers, self.manager.num_blocks)
-        return self.non_block_bytes() + self._planned_block_bytes(count)
+        return self.non_block_bytes() + self._planned_block_bytes(count) + self.device_lora_scratch
 
     def host_ram_bytes(self) -> int:
         """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
@@ -170,9 +171,10 @@ class OffloadController:
         """
         self.follow_device(device_to)
         self.put_non_block_weights(patcher, device_to)
+        plan = {} if bake_all else device_patch_plan(patcher, self.discovered.blocks, self.block_keys)
+        self.device_lora_scratch = scratch_bytes(self.discovered.blocks, plan)
         self._fit_budget(extra_memory, loaded_before)
         self._use_own_settings()
-        plan = {} if bake_all else device_patch_plan(patcher, self.discovered.blocks, self.block_keys)
         self._bake_block_patches(patcher, device_to, skip={key for p in plan.values() for _, key, _ in p})
         changed = self.manager.prepare(progress=_progress_bar())
         if changed:
@@ -242,7 +244,7 @@ class OffloadController:
             return
         # ComfyUI allows this model what it had loaded plus extra_memory; the non-block weights just
         # placed take their share first.
-        budget = int(loaded_before) + int(extra_memory) - self.non_block_bytes()
+        budget = int(loaded_before) + int(extra_memory) - self.non_block_bytes() - self.device_lora_scratch
         wanted = resolve_resident_count(self.config.resident_layers, self.manager.num_blocks)
         if self.auto:
             wanted = self.manager.num_blocks  # auto plans at the first forward; the budget still caps it
@@ -285,7 +287,8 @@ class OffloadController:
             type(self.diffusion_model).__name__, self._hidden_size(), max(1, x[0, 0].numel()),
             batch=max(1, x.shape[0]), dtype_bytes=self._compute_dtype_bytes(x), latent_channels=x.shape[1])
         plan = plan_residency(self.manager.block_nbytes(), free, reserve_bytes=reserve,
-                              activation_bytes=activations.nbytes, prefetch_size=self.config.prefetch_size,
+                              activation_bytes=activations.nbytes + self.device_lora_scratch,
+                              prefetch_size=self.config.prefetch_size,
                               policy=self.config.policy)
         if plan != self.last_plan:
             log.info("%s; activations %s (%d tokens x %d, %s)", describe(plan), format_bytes(activations.nbytes),

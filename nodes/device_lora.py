@@ -87,6 +87,16 @@ class DeviceLora:
             weight.copy_(patched_weight(weight, patches, key, self.load_device))
 
 
+def scratch_bytes(blocks: Sequence[torch.nn.Module], plan: Dict[int, List[DevicePatch]]) -> int:
+    """Device memory the math of the largest patched weight takes beside the blocks: its float32 copy, the LoRA
+    difference and that difference scaled (what ComfyUI's full load also takes, once, at load time)."""
+    largest = 0
+    for index, patches in plan.items():
+        params = [param for _, param in block_parameters(blocks[index])]
+        largest = max([largest] + [params[position].numel() for position, _, _ in patches])
+    return 3 * 4 * largest
+
+
 def point_backups_at_store(patcher, plan: Dict[int, List[DevicePatch]], store) -> None:
     """ComfyUI's backup of each device-patched weight is its original in the host store (a view, no copy);
     re-pointed after a repack, so a backup never keeps an old host buffer alive."""

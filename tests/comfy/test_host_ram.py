@@ -110,6 +110,9 @@ def test_lora_is_applied_on_the_device_and_the_host_keeps_the_weights_once():
         for name, view in zip(names, manager.store.weight_views(index)):
             assert torch.equal(view, originals[prefix + name]), f"{prefix + name}: the host store is not unpatched"
     lora_keys = {k for k in originals if f"{k[:-len('.weight')]}.lora_up.weight" in lora}
+    controller = controller_of(patched)  # model_size() holds the LoRA math's float32 scratch beside the blocks
+    scratch = 3 * 4 * max(originals[k].numel() for k in lora_keys)
+    assert patched.model_size() == controller.non_block_bytes() + controller._planned_block_bytes(1) + scratch
     assert lora_keys and set(patched.backup) == lora_keys
     for key, backup in patched.backup.items():
         # The original in the store itself: no second copy, and never a view of an older buffer.
