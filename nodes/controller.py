@@ -85,7 +85,8 @@ class OffloadController:
         self.discovered = discovered
         self.device = torch.device(device)
         # Released blocks point at their host copies, so the model stays valid for ComfyUI code
-        # that runs it without our hooks (a sibling clone without offload, for instance).
+        # that runs it without our hooks (a sibling clone without offload, for instance). With a LoRA
+        # applied on the device those are the unpatched originals, which ComfyUI's backups view too.
         self.config = dataclasses.replace(config, released_params="host")
         # Auto mode: the resident count is chosen at the first forward of each run (see _plan_auto).
         self.auto = auto
