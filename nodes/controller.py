@@ -25,8 +25,10 @@ from ..offload.advice import RunReport, recommend
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
 from ..offload.tensor_subclass import point_param_at, weight_nbytes
+from ..offload.pinning import return_freed_host_memory
 from .discovery import DiscoveredBlocks
 from .host_ram import compact_backups, comfyui_pinner
+from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
 
 log = logging.getLogger("layerwise_offload")
 
@@ -83,7 +85,8 @@ class OffloadController:
         self.discovered = discovered
         self.device = torch.device(device)
         # Released blocks point at their host copies, so the model stays valid for ComfyUI code
-        # that runs it without our hooks (a sibling clone without offload, for instance).
+        # that runs it without our hooks (a sibling clone without offload, for instance). With a LoRA
+        # applied on the device those are the unpatched originals, which ComfyUI's backups view too.
         self.config = dataclasses.replace(config, released_params="host")
         # Auto mode: the resident count is chosen at the first forward of each run (see _plan_auto).
         self.auto = auto
@@ -102,6 +105,8 @@ class OffloadController:
         self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
         self._run_start = None
+        self._device_plan = {}  # block index -> the weights LoRA'd on the device (device_lora.py)
+        self.device_lora_scratch = 0  # device bytes its math takes at most, beside the blocks (in model_size())
 
     # ----------------------------------------------------------------- plan
     def _effective_config(self) -> OffloadConfig:
@@ -133,7 +138,7 @@ class OffloadController:
     def planned_footprint(self) -> int:
         """What ComfyUI is told this model needs on the device (``model_size()``)."""
         count = resolve_resident_count(self._effective_config().resident_layers, self.manager.num_blocks)
-        return self.non_block_bytes() + self._planned_block_bytes(count)
+        return self.non_block_bytes() + self._planned_block_bytes(count) + self.device_lora_scratch
 
     def host_ram_bytes(self) -> int:
         """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
@@ -157,21 +162,39 @@ class OffloadController:
                     yield tensor
 
     # ----------------------------------------------------------------- load / unload
-    def place(self, patcher, device_to, extra_memory=None, loaded_before: int = 0) -> None:
+    def place(self, patcher, device_to, extra_memory=None, loaded_before: int = 0, bake_all: bool = False) -> None:
         """ComfyUI's load: non-block weights to the device (LoRA baked), blocks into the host store.
 
+        Block LoRA is applied on the device after each copy (device_lora.py), except for the weights
+        that must be baked into the store, or all of them with ``bake_all`` (ComfyUI's force_patch_weights).
         ``extra_memory`` is ComfyUI's budget for more weights on the device (what its partial
         loading would use); the resident count is capped so the plan stays inside it.
         """
         self.follow_device(device_to)
         self.put_non_block_weights(patcher, device_to)
+        plan = {} if bake_all else device_patch_plan(patcher, self.discovered.blocks, self.block_keys)
+        self.device_lora_scratch = scratch_bytes(self.discovered.blocks, plan)
         self._fit_budget(extra_memory, loaded_before)
         self._use_own_settings()
-        self._bake_block_patches(patcher, device_to)
+        self._bake_block_patches(patcher, device_to, skip={key for p in plan.values() for _, key, _ in p})
         changed = self.manager.prepare(progress=_progress_bar())
         if changed:
             log.info("[layerwise-offload] host store: %d blocks packed (%s, %s pinned)", len(changed),
                      _gib(self.manager.store.nbytes()), _gib(self.manager.store.pinned_nbytes()))
+        self._patch_on_device(patcher, device_to, plan)
+
+    def _patch_on_device(self, patcher, device_to, plan) -> None:
+        # The manager is shared by every output of this model: another output may have set its own LoRA.
+        keys = tuple((index, tuple(key for _, key, _ in patches)) for index, patches in plan.items())
+        signature = (patcher.patches_uuid, str(device_to), keys)
+        if plan and getattr(self.manager.after_copy, "signature", None) != signature:
+            self.manager.set_after_copy(DeviceLora(plan, device_to, signature))
+            log.info("[layerwise-offload] LoRA over %d block weights applied on the device as blocks are copied in",
+                     sum(len(p) for p in plan.values()))
+        elif not plan:
+            self.manager.set_after_copy(None)
+        self._device_plan = plan
+        point_backups_at_store(patcher, plan, self.manager.store)
 
     def put_non_block_weights(self, patcher, device_to) -> None:
         device_to = normalize_device(torch.device(device_to))
@@ -190,7 +213,7 @@ class OffloadController:
                 if buffer is not None and buffer.device != device_to:
                     module._buffers[key] = buffer.to(device_to)
 
-    def _bake_block_patches(self, patcher, device_to) -> None:
+    def _bake_block_patches(self, patcher, device_to, skip=frozenset()) -> None:
         """Bake LoRA into the host store the way ComfyUI bakes a fully loaded model.
 
         ComfyUI's own ``patch_weight_to_device`` does the math (fp32 on the device, stochastic
@@ -201,7 +224,7 @@ class OffloadController:
         """
         pending: Dict[int, List[str]] = {}
         for key in patcher.patches:
-            if key in patcher.backup:
+            if key in patcher.backup or key in skip:
                 continue
             for index, prefix in enumerate(self.block_keys):
                 if key.startswith(prefix):
@@ -222,7 +245,7 @@ class OffloadController:
             return
         # ComfyUI allows this model what it had loaded plus extra_memory; the non-block weights just
         # placed take their share first.
-        budget = int(loaded_before) + int(extra_memory) - self.non_block_bytes()
+        budget = int(loaded_before) + int(extra_memory) - self.non_block_bytes() - self.device_lora_scratch
         wanted = resolve_resident_count(self.config.resident_layers, self.manager.num_blocks)
         if self.auto:
             wanted = self.manager.num_blocks  # auto plans at the first forward; the budget still caps it
@@ -265,7 +288,8 @@ class OffloadController:
             type(self.diffusion_model).__name__, self._hidden_size(), max(1, x[0, 0].numel()),
             batch=max(1, x.shape[0]), dtype_bytes=self._compute_dtype_bytes(x), latent_channels=x.shape[1])
         plan = plan_residency(self.manager.block_nbytes(), free, reserve_bytes=reserve,
-                              activation_bytes=activations.nbytes, prefetch_size=self.config.prefetch_size,
+                              activation_bytes=activations.nbytes + self.device_lora_scratch,
+                              prefetch_size=self.config.prefetch_size,
                               policy=self.config.policy)
         if plan != self.last_plan:
             log.info("%s; activations %s (%d tokens x %d, %s)", describe(plan), format_bytes(activations.nbytes),
@@ -324,6 +348,7 @@ class OffloadController:
         self.manager.reset_peaks()
         if self.manager.prepare():
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
+            point_backups_at_store(patcher, self._device_plan, self.manager.store)
         self._auto_planned_this_run = False
         self._run_start = (time.perf_counter(), self.manager.stats(synchronize=False))
 
@@ -332,6 +357,9 @@ class OffloadController:
             return None
         started, before = self._run_start
         self._run_start = None
+        if self.manager.after_copy is not None and self.device.type == "cpu":
+            # CPU loopback: the device-side LoRA's scratch tensors were host memory; glibc keeps them otherwise.
+            return_freed_host_memory()
         after = self.manager.stats()
         forwards = after.forwards - before.forwards
         if forwards == 0:

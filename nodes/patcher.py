@@ -24,13 +24,14 @@ log = logging.getLogger("layerwise_offload")
 _SUBCLASSES: Dict[type, type] = {}
 
 
-def offload_weights_uuid(patches_uuid) -> uuid.UUID:
+def offload_weights_uuid(patches_uuid, baked: bool = False) -> uuid.UUID:
     """What the model's ``current_weight_patches_uuid`` says after this pack placed it with these patches.
 
     Never equal to a patcher's own ``patches_uuid``, so ComfyUI treats the weights as foreign and unpatches
     them before loading a clone the ordinary way; the same for every offloaded output of those patches.
+    ``baked``: every block patch baked into the host store (ComfyUI's force_patch_weights), another state.
     """
-    return uuid.uuid5(uuid.NAMESPACE_URL, f"layerwise-offload:{patches_uuid}")
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"layerwise-offload:{patches_uuid}{':baked' if baked else ''}")
 
 
 def offload_patcher_class(base: type) -> Type:
@@ -65,10 +66,10 @@ class LayerwiseOffloadPatcherMixin:
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         controller = self.offload_controller
         with self.use_ejected(skip_and_inject_on_exit_only=True):
-            placed = offload_weights_uuid(self.patches_uuid)
+            placed = offload_weights_uuid(self.patches_uuid, baked=force_patch_weights)
             current_uuid = self.model.current_weight_patches_uuid
             before = self.model.model_loaded_weight_memory
-            if current_uuid != placed or force_patch_weights:
+            if current_uuid != placed:
                 # The weights are not what this offload placed with these patches: a fresh model, another
                 # LoRA, or ComfyUI's own (possibly partial) load of a sibling clone. ComfyUI undoes everything it
                 # did (LowVramPatch functions, pinned weights, LoRA backups) while the weights are still the ones
@@ -79,7 +80,7 @@ class LayerwiseOffloadPatcherMixin:
             else:
                 self.unpatch_model(self.offload_device, unpatch_weights=False)
             self.patch_model(load_weights=False)
-            controller.place(self, device_to, extra_memory, loaded_before=before)
+            controller.place(self, device_to, extra_memory, loaded_before=before, bake_all=force_patch_weights)
             self.model.model_lowvram = True
             self.model.device = device_to
             # Not self.patches_uuid: ComfyUI's own load of a sibling clone must see that the weights are not

@@ -37,9 +37,11 @@ class SyncBackend:
         self.copy_seconds = 0.0
         self.stall_seconds = 0.0
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> Optional[CopyHandle]:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, then=None) -> Optional[CopyHandle]:
         start = time.perf_counter() if self.measure_time else 0.0
         dst.copy_(src)
+        if then is not None:
+            then()
         if self.measure_time:
             elapsed = time.perf_counter() - start
             self.copy_seconds += elapsed
@@ -77,7 +79,9 @@ class StreamBackend:
     def _event(self):
         return self.module.Event(enable_timing=self.measure_time)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None) -> CopyHandle:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, then=None) -> CopyHandle:
+        """Queue ``dst.copy_(src)`` on the copy stream after ``after``, then ``then()`` (work on the copied
+        data, queued on the copy stream too); the returned handle's event follows both."""
         started = None
         with self.module.stream(self.copy_stream):
             if after is not None:
@@ -87,6 +91,8 @@ class StreamBackend:
                 started = self._event()
                 started.record(self.copy_stream)
             dst.copy_(src, non_blocking=True)
+            if then is not None:
+                then()
             done = self._event()
             done.record(self.copy_stream)
         if self.measure_time:

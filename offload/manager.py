@@ -25,6 +25,7 @@ from .call_order import CallOrderMixin
 from .hooks import HookMixin
 from .tensor_subclass import point_param_at, weight_pointer
 from .host_side import HostSideMixin
+from .after_copy import AfterCopyMixin
 from .stats import OffloadStats, snapshot
 
 log = logging.getLogger("layerwise_offload")
@@ -32,7 +33,7 @@ log = logging.getLogger("layerwise_offload")
 _compiler_disable = torch.compiler.disable
 
 
-class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
+class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCopyMixin):
     """Keeps the leading (or strided) blocks on ``device`` and streams the rest from host memory.
 
     Args:
@@ -235,7 +236,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin):
             self._slot_owner[slot] = index
             self._block_slot[index] = slot
         host = self.store.buffers[index]
-        self._pending_copy[index] = self.backend.copy(buffer.narrow(0, 0, layout.nbytes), host, after=after)
+        self._pending_copy[index] = self._copy_in(index, buffer.narrow(0, 0, layout.nbytes), host, after, views)
         self._point_at(index, views)
         self._materialized[index] = True
         self._count_copy(index, layout.nbytes)

@@ -87,24 +87,58 @@ def random_block_lora(patcher, seed=7, rank=2):
     return lora
 
 
-def test_lora_backups_are_compact_copies_kept_once():
-    """A LoRA applied after a prompt without it: ComfyUI's backups must not keep the old host buffers alive."""
+def test_lora_is_applied_on_the_device_and_the_host_keeps_the_weights_once():
+    """A LoRA applied after a prompt without it: the host store keeps the unpatched weights only, ComfyUI's
+    backups are views of them (no bytes of their own), and the output is ComfyUI's full load with the LoRA."""
+    reference_model = tiny_dits.build_tiny("wan21")
+    lora = random_block_lora(reference_model)
+    reference, _ = comfy.sd.load_lora_for_models(reference_model, None, lora, 0.8, 0)
+    want = tiny_dits.sample(reference, seed=3)
+    mm.unload_all_models()
     model = tiny_dits.build_tiny("wan21")
-    lora = random_block_lora(model)
+    originals = {k: v.clone() for k, v in model.model.state_dict().items() if ".blocks." in k}
     offloaded = offload_model(model, 1, 1, "leading", True)
     plain = tiny_dits.sample(offloaded, seed=3)
     patched, _ = comfy.sd.load_lora_for_models(offloaded, None, lora, 0.8, 0)
-    with_lora = tiny_dits.sample(patched, seed=3)
-    assert not torch.equal(with_lora, plain)
-    assert patched.backup, "ComfyUI keeps backups of the patched weights"
-    backed_up = 0
+    assert torch.equal(tiny_dits.sample(patched, seed=3), want)
+    manager = controller_of(patched).manager
+    assert manager.store.nbytes() == sum(manager.block_nbytes())  # each block once
+    store = {b.untyped_storage().data_ptr() for b in manager.store.buffers}
+    prefixes = controller_of(patched).block_keys
+    for index, prefix in enumerate(prefixes):
+        names = [name for name, _ in manager.blocks[index].named_parameters()]
+        for name, view in zip(names, manager.store.weight_views(index)):
+            assert torch.equal(view, originals[prefix + name]), f"{prefix + name}: the host store is not unpatched"
+    lora_keys = {k for k in originals if f"{k[:-len('.weight')]}.lora_up.weight" in lora}
+    controller = controller_of(patched)  # model_size() holds the LoRA math's float32 scratch beside the blocks
+    scratch = 3 * 4 * max(originals[k].numel() for k in lora_keys)
+    assert patched.model_size() == controller.non_block_bytes() + controller._planned_block_bytes(1) + scratch
+    assert lora_keys and set(patched.backup) == lora_keys
     for key, backup in patched.backup.items():
-        weight = backup.weight
-        # A view into a block's host buffer would keep the whole buffer alive next to the repacked one.
-        assert weight.untyped_storage().nbytes() == weight.numel() * weight.element_size(), f"{key}: not compact"
-        backed_up += weight.numel() * weight.element_size()
-    patched_bytes = sum(t.numel() * t.element_size() for k, t in model.model.state_dict().items()
-                        if f"{k[:-len('.weight')]}.lora_up.weight" in lora)
-    assert backed_up == patched_bytes  # each unpatched weight kept once
+        # The original in the store itself: no second copy, and never a view of an older buffer.
+        assert backup.weight.untyped_storage().data_ptr() in store, f"{key}: backup outside the host store"
+        assert torch.equal(backup.weight, originals[key])
     mm.unload_all_models()
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), plain)  # the backups restore the originals
+
+
+def test_force_patch_weights_bakes_the_lora_into_what_comfyui_reads():
+    """ComfyUI asks for really patched weights (force_patch_weights) when it saves or merges a model: the blocks'
+    weights then hold the LoRA, baked into the host store; the next ordinary run applies it on the device again."""
+    reference_model = tiny_dits.build_tiny("wan21")
+    lora = random_block_lora(reference_model)
+    reference, _ = comfy.sd.load_lora_for_models(reference_model, None, lora, 0.8, 0)
+    mm.load_models_gpu([reference], force_full_load=True)
+    want = {k: v.clone() for k, v in reference.model.state_dict().items() if ".blocks." in k}
+    want_out = tiny_dits.sample(reference, seed=3)
+    mm.unload_all_models()
+    model = tiny_dits.build_tiny("wan21")
+    offloaded = offload_model(comfy.sd.load_lora_for_models(model, None, lora, 0.8, 0)[0], 1, 1, "leading", True)
+    mm.load_models_gpu([offloaded], force_patch_weights=True)
+    got = {k: v for k, v in offloaded.model.state_dict().items() if ".blocks." in k}
+    assert got.keys() == want.keys()
+    for key in want:
+        assert torch.equal(got[key], want[key]), f"{key}: not ComfyUI's patched weight"
+    assert controller_of(offloaded).manager.after_copy is None
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), want_out)
+    assert controller_of(offloaded).manager.after_copy is not None

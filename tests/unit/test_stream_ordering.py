@@ -93,8 +93,8 @@ class RecordingBackend(StreamBackend):
         self._pending = []
         self.writes = []  # (start, end, first byte, last byte, clock at start, clock at end)
 
-    def copy(self, dst, src, after=None):
-        handle = super().copy(dst, src, after)
+    def copy(self, dst, src, after=None, then=None):
+        handle = super().copy(dst, src, after, then)
         start = dst.data_ptr()
         self.writes.append((start, start + dst.numel(), handle.started.clock, handle.done.clock))
         return handle
@@ -127,12 +127,30 @@ class YesPinner:
 PINNING = {"pinned": YesPinner(), "pageable": None, "mixed": YesPinner(refuse_after=2)}
 
 
-def run_checked(resident, prefetch, policy, order, pinning, backend_class=None):
-    """Three forwards under the race checker; returns the backend with its copies and where they were issued."""
+def halve_on_the_copy_stream(fake, backend):
+    """An after-copy transform that halves a block's weights (exact in every dtype) and records its write
+    into the block's device memory, with the clock of the stream it ran on."""
+    backend.transform_writes = []  # (first byte, last byte, clock, stream it ran on)
+
+    def halve(index, weights):
+        clock = fake.current.tick()
+        for weight in weights:
+            weight.mul_(0.5)
+        span = (min(w.data_ptr() for w in weights), max(w.data_ptr() + w.numel() * w.element_size() for w in weights))
+        backend.transform_writes.append((*span, clock, fake.current.name))
+    return halve
+
+
+def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, transform=False):
+    """Three forwards under the race checker; returns the backend with its copies and where they were issued.
+    ``transform``: an after-copy transform halves every block's weights on the "device" as it is copied in."""
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     reference = ToyTransformer()
     reference.order = order
     with torch.no_grad():
+        if transform:
+            for param in (p for block in reference.blocks_in_call_order() for p in block.parameters()):
+                param.mul_(0.5)
         want = reference(x)
     model = ToyTransformer()
     model.order = order
@@ -144,6 +162,8 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None):
     manager.available_host_bytes = lambda: 2**40
     fake = FakeCudaModule()
     manager.backend = backend = (backend_class or RecordingBackend)(fake)
+    if transform:
+        manager.set_after_copy(halve_on_the_copy_stream(fake, backend))
     manager.attach(model)
     track_issuing_hook(manager, backend)
     reads = []  # (block, memory range, clock when its reads start, clock when they end)
@@ -155,6 +175,10 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None):
             writer = [w for w in backend.writes if overlaps((w[0], w[1]), span)][-1]
             starts[index] = (span, fake.compute.tick(), len(backend.writes))
             assert happens_before(writer[3], starts[index][1]), f"block {index} may read before its copy finished"
+            for begin, end, clock, stream in getattr(backend, "transform_writes", ()):
+                if overlaps((begin, end), span):
+                    assert stream == "copy", f"block {index}'s after-copy transform ran on the {stream} stream"
+                    assert happens_before(clock, starts[index][1]), f"block {index} may read before its transform"
         return hook
 
     def read_end(index):
@@ -195,11 +219,11 @@ def track_issuing_hook(manager, backend):
         setattr(manager, name, wrapped)
     original_copy = backend.copy
 
-    def copy(dst, src, after=None):
+    def copy(dst, src, after=None, then=None):
         host_block.update({manager.store.buffers[i].data_ptr(): i for i in range(manager.num_blocks)})
         block = host_block[src.data_ptr()]
         backend.issued.append((block, *backend.issuing, manager.store.is_pinned(block)))
-        return original_copy(dst, src, after)
+        return original_copy(dst, src, after, then)
     backend.copy = copy
 
 
@@ -225,9 +249,45 @@ def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(re
         assert ("pre", True) in kinds and ("post", True) not in kinds
 
 
+@pytest.mark.parametrize("pinning", ["pinned", "pageable"])
+@pytest.mark.parametrize("resident, prefetch, policy, order", SCENARIOS[:4] + SCENARIOS[5:6])
+def test_an_after_copy_transform_runs_on_the_copy_stream_before_the_block_reads(resident, prefetch, policy, order,
+                                                                               pinning):
+    """A LoRA applied on the device: ordered after the copy, before the reads, never twice (the host keeps the
+    untransformed weights, so three forwards give the same output as the halved reference)."""
+    manager, backend = run_checked(resident, prefetch, policy, order, pinning, transform=True)
+    copies = len(backend.writes)
+    assert len(backend.transform_writes) == copies  # once per copy, residents included
+
+
+class TransformAfterTheEvent(RecordingBackend):
+    """The transform queued after the copy's completion event: the compute stream would not wait for it."""
+
+    def copy(self, dst, src, after=None, then=None):
+        handle = super().copy(dst, src, after)
+        if then is not None:
+            with self.module.stream(self.copy_stream):
+                then()
+        return handle
+
+
+class TransformOnTheComputeStream(RecordingBackend):
+    def copy(self, dst, src, after=None, then=None):
+        handle = super().copy(dst, src, after)
+        if then is not None:
+            then()
+        return handle
+
+
+@pytest.mark.parametrize("broken", [TransformAfterTheEvent, TransformOnTheComputeStream])
+def test_the_checker_catches_a_misordered_transform(broken):
+    with pytest.raises(AssertionError, match="before its transform|transform ran on the compute"):
+        run_checked(0, 1, "leading", None, "pinned", backend_class=broken, transform=True)
+
+
 class NoSlotWait(RecordingBackend):
-    def copy(self, dst, src, after=None):
-        return super().copy(dst, src, after=None)
+    def copy(self, dst, src, after=None, then=None):
+        return super().copy(dst, src, after=None, then=then)
 
 
 class NoComputeWait(RecordingBackend):

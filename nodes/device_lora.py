@@ -1,0 +1,106 @@
+"""LoRA applied to each block on the device as it is copied in, with ComfyUI's own full-load math.
+
+ComfyUI's full load patches every weight once, on the load device (``ModelPatcher.patch_weight_to_device``):
+the weight cast to the LoRA compute dtype (float32; 0.14.1 asks ``lora_compute_dtype``),
+``comfy.lora.calculate_weight``, then ``comfy.float.stochastic_rounding`` back to the weight's dtype, seeded by
+the key. The same steps on the block's device copy give the same bits, so the host store keeps only the
+unpatched weights: no patched second copy in RAM.
+
+ComfyUI still needs an unpatched weight to restore for every patched key (its ``backup``, shared by all
+clones of the model): here that is a view of the original in the host store, which costs no memory. So
+ComfyUI's own unpatching (a sibling clone loaded without the node, another LoRA) sets back exactly its
+originals, whatever the device copies hold.
+
+Weights this cannot reproduce exactly are baked into the host store as before (controller.py): an op with
+its own ``set_``/``convert_`` functions (0.3.75's scaled fp8, QuantizedTensor layers), a tensor-subclass
+weight, a patcher that patches weights its own way (ComfyUI-GGUF applies its LoRA at dequantization), and
+ComfyUI asking for weights really patched (``force_patch_weights``: saving or merging a model reads them).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Dict, List, Sequence, Tuple
+
+import torch
+
+import comfy.float
+import comfy.lora
+import comfy.model_management
+import comfy.model_patcher
+import comfy.utils
+
+from ..offload.host_store import block_parameters
+
+# (position of the weight in the block's layout, ComfyUI key, its patches)
+DevicePatch = Tuple[int, str, list]
+
+# ComfyUI's backup record (a namedtuple it builds with these fields in patch_weight_to_device).
+Backup = collections.namedtuple("Dimension", ["weight", "inplace_update"])
+
+_string_to_seed = getattr(comfy.utils, "string_to_seed", None) or comfy.model_patcher.string_to_seed
+
+
+def patches_own_weights(patcher) -> bool:
+    """Whether ``patcher`` uses ComfyUI's own weight patching (ComfyUI-GGUF's patcher overrides it)."""
+    own = comfy.model_patcher.ModelPatcher.patch_weight_to_device
+    return getattr(type(patcher).patch_weight_to_device, "__func__", type(patcher).patch_weight_to_device) is own
+
+
+def device_patch_plan(patcher, blocks: Sequence[torch.nn.Module], block_keys: Sequence[str]
+                      ) -> Dict[int, List[DevicePatch]]:
+    """Per block, the patched weights that can be patched on the device bit for bit."""
+    if not patches_own_weights(patcher):
+        return {}
+    plan: Dict[int, List[DevicePatch]] = {}
+    for index, (block, prefix) in enumerate(zip(blocks, block_keys)):
+        for position, (name, param) in enumerate(block_parameters(block)):
+            key = prefix + name
+            patches = patcher.patches.get(key)
+            if not patches or type(param.data) is not torch.Tensor:  # a subclass (quantized) weight bakes
+                continue
+            _, set_func, convert_func = comfy.model_patcher.get_key_weight(patcher.model, key)
+            if set_func is None and convert_func is None:
+                plan.setdefault(index, []).append((position, key, list(patches)))
+    return plan
+
+
+def patched_weight(weight: torch.Tensor, patches: list, key: str, load_device) -> torch.Tensor:
+    """ComfyUI's ``patch_weight_to_device`` math for ``weight`` (already on the device), not written back."""
+    compute_dtype = getattr(comfy.model_management, "lora_compute_dtype", lambda device: torch.float32)
+    temp = comfy.model_management.cast_to_device(weight, weight.device, compute_dtype(load_device), copy=True)
+    out = comfy.lora.calculate_weight(patches, temp, key)
+    return comfy.float.stochastic_rounding(out, weight.dtype, seed=_string_to_seed(key))
+
+
+class DeviceLora:
+    """The manager's after-copy transform: patches the planned weights of a block in its device buffer."""
+
+    def __init__(self, plan: Dict[int, List[DevicePatch]], load_device, signature=None):
+        self.plan = plan
+        self.load_device = load_device
+        self.signature = signature  # what it was built from (patches, device, weights), to tell it apart
+
+    def __call__(self, index: int, weights: Sequence[torch.Tensor]) -> None:
+        for position, key, patches in self.plan.get(index, ()):
+            weight = weights[position]
+            weight.copy_(patched_weight(weight, patches, key, self.load_device))
+
+
+def scratch_bytes(blocks: Sequence[torch.nn.Module], plan: Dict[int, List[DevicePatch]]) -> int:
+    """Device memory the math of the largest patched weight takes beside the blocks: its float32 copy, the LoRA
+    difference and that difference scaled (what ComfyUI's full load also takes, once, at load time)."""
+    largest = 0
+    for index, patches in plan.items():
+        params = [param for _, param in block_parameters(blocks[index])]
+        largest = max([largest] + [params[position].numel() for position, _, _ in patches])
+    return 3 * 4 * largest
+
+
+def point_backups_at_store(patcher, plan: Dict[int, List[DevicePatch]], store) -> None:
+    """ComfyUI's backup of each device-patched weight is its original in the host store (a view, no copy);
+    re-pointed after a repack, so a backup never keeps an old host buffer alive."""
+    for index, patches in plan.items():
+        views = store.weight_views(index)
+        for position, key, _ in patches:
+            patcher.backup[key] = Backup(views[position], False)

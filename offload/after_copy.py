@@ -1,0 +1,50 @@
+"""A per-block transform of the weights just copied to the device (a LoRA applied there, say).
+
+The host store then keeps what the caller wants kept in RAM (the unpatched weights), and the device
+copy of a block is what the model computes with. The transform runs every time a block is copied in:
+once for a resident when the plan is armed, at every copy for a streamed block. It is queued on the
+copy stream right after the copy and before the copy's completion event, so the compute stream's wait
+for that event covers it, and the next copy into the same slot waits for the compute stream as before.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+# transform(block index, the block's weights on the device in ``BlockLayout.weights`` order); in place.
+BlockTransform = Callable[[int, Sequence[torch.Tensor]], None]
+
+
+class AfterCopyMixin:
+    """The transform hook of :class:`LayerwiseOffloadManager`."""
+
+    _after_copy: Optional[BlockTransform] = None
+
+    @property
+    def after_copy(self) -> Optional[BlockTransform]:
+        return self._after_copy
+
+    def set_after_copy(self, transform: Optional[BlockTransform]) -> None:
+        """Apply ``transform`` to every block copied to the device from now on (None: plain copies).
+
+        Blocks on the device were copied with the old transform, so a different one releases them
+        (residents included); the next forward copies them again.
+        """
+        if transform is self._after_copy:
+            return
+        if self.store is not None:
+            self.release_all()
+        self._after_copy = transform
+
+    def _copy_in(self, index: int, device_buffer: torch.Tensor, host_buffer: torch.Tensor, after,
+                 device_weights: Sequence[torch.Tensor]):
+        transform = self._after_copy
+        if transform is None:
+            return self.backend.copy(device_buffer, host_buffer, after=after)
+
+        def then():
+            with torch.no_grad():
+                transform(index, device_weights)
+        return self.backend.copy(device_buffer, host_buffer, after=after, then=then)
