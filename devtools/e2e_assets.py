@@ -61,6 +61,7 @@ __all__ = [
     "save_tiny_sd15_unet",
     "write_conditioning_dataset",
     "install_demo_assets",
+    "tiny_wan_prompt",
     "main",
 ]
 
@@ -188,6 +189,25 @@ def install_demo_assets(models_dir: "os.PathLike | str", output_dir: "os.PathLik
         out[kind] = str(path)
     out["cond"] = write_conditioning_dataset(output_dir, seed=seed)
     return out
+
+
+def tiny_wan_prompt(loader: dict, model_node: dict, seed: int, steps: int, prefix: str) -> dict:
+    """The tiny demo as an API prompt: ``loader`` (node "1") -> ``model_node`` (node "5", its ``model`` input
+    wired to "1") -> KSampler (cfg 2, the saved conditioning and its zeroed copy) -> SaveLatent under ``prefix``."""
+    model_node = {**model_node, "inputs": {**model_node["inputs"], "model": ["1", 0]}}
+    return {
+        "1": loader,
+        "2": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": TINY_COND_FOLDER}},
+        "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 1]}},
+        "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 5,
+                                                                  "batch_size": 1}},
+        "5": model_node,
+        "6": {"class_type": "KSampler", "inputs": {
+            "model": ["5", 0], "positive": ["2", 1], "negative": ["3", 0], "latent_image": ["4", 0],
+            "seed": seed, "steps": steps, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple",
+            "denoise": 1.0}},
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": prefix}},
+    }
 
 
 def main(argv: Optional[list] = None) -> int:

@@ -59,18 +59,9 @@ def gguf_server(tmp_path_factory, tiny_assets):
 
 
 def gguf_prompt(qtype, offload, lora, prefix):
-    p = {
-        "1": {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": f"tiny_wan21_{qtype}.gguf"}},
-        "2": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": e2e_assets.TINY_COND_FOLDER}},
-        "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 1]}},
-        "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 5,
-                                                                  "batch_size": 1}},
-        "5": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 8.0}},
-        "6": {"class_type": "KSampler", "inputs": {
-            "model": ["5", 0], "positive": ["2", 1], "negative": ["3", 0], "latent_image": ["4", 0],
-            "seed": SEED, "steps": 3, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
-        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": prefix}},
-    }
+    p = e2e_assets.tiny_wan_prompt(
+        {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": f"tiny_wan21_{qtype}.gguf"}},
+        {"class_type": "ModelSamplingSD3", "inputs": {"shift": 8.0}}, seed=SEED, steps=3, prefix=prefix)
     model = ["1", 0]
     if lora:
         p["8"] = {"class_type": "LoraLoaderModelOnly", "inputs": {"model": model, "lora_name": LORA,

@@ -42,19 +42,10 @@ def lora_file(comfy_base):
 
 def lora_prompt(strength, offload=None, prefix="e2e/messy", lora=LORA_NAME):
     """``UNETLoader -> LoraLoaderModelOnly(strength) [-> LayerwiseOffload(**offload)] -> KSampler -> SaveLatent``."""
-    prompt = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": e2e_assets.TINY_WAN21_NAME, "weight_dtype": "default"}},
-        "2": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": e2e_assets.TINY_COND_FOLDER}},
-        "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 1]}},
-        "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 5,
-                                                                  "batch_size": 1}},
-        "5": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["1", 0], "lora_name": lora,
-                                                              "strength_model": strength}},
-        "6": {"class_type": "KSampler", "inputs": {
-            "model": ["5", 0], "positive": ["2", 1], "negative": ["3", 0], "latent_image": ["4", 0],
-            "seed": SEED, "steps": 4, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
-        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": prefix}},
-    }
+    prompt = e2e_assets.tiny_wan_prompt(
+        {"class_type": "UNETLoader", "inputs": {"unet_name": e2e_assets.TINY_WAN21_NAME, "weight_dtype": "default"}},
+        {"class_type": "LoraLoaderModelOnly", "inputs": {"lora_name": lora, "strength_model": strength}},
+        seed=SEED, steps=4, prefix=prefix)
     if offload is not None:
         inputs = {"resident_layers": 2, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True}
         inputs.update(offload)

@@ -33,18 +33,9 @@ SEED = 42
 def tiny_prompt(offload=None, seed=SEED, unet=e2e_assets.TINY_WAN21_NAME, prefix="e2e/tiny", decode=False):
     """API prompt mirroring the tiny demo workflow; ``offload`` is None (no node) or
     ``dict(resident_layers=..., prefetch_size=..., residency_policy=..., pin_memory=...)``."""
-    p = {
-        "1": {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
-        "2": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": e2e_assets.TINY_COND_FOLDER}},
-        "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 1]}},
-        "4": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 64, "height": 64, "length": 5,
-                                                                  "batch_size": 1}},
-        "5": {"class_type": "ModelSamplingSD3", "inputs": {"model": ["1", 0], "shift": 8.0}},
-        "6": {"class_type": "KSampler", "inputs": {
-            "model": ["5", 0], "positive": ["2", 1], "negative": ["3", 0], "latent_image": ["4", 0],
-            "seed": seed, "steps": 4, "cfg": 2.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0}},
-        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": prefix}},
-    }
+    p = e2e_assets.tiny_wan_prompt(
+        {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
+        {"class_type": "ModelSamplingSD3", "inputs": {"shift": 8.0}}, seed=seed, steps=4, prefix=prefix)
     if offload is not None:
         full = {"resident_layers": 0, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True}
         full.update(offload)
