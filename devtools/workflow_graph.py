@@ -1,0 +1,255 @@
+"""The building blocks of the shipped workflows: a UI-format (0.4) graph writer that knows the slots of every node
+type the templates use, model download links, colours, and the offload/stats/note nodes every template shares.
+devtools/make_workflows.py builds the templates from these. Pure Python: needs neither ComfyUI nor torch."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOW_DIR = REPO / "workflows"
+
+PACK_CNR_ID = "layerwise-offload"
+PACK_VERSION = "0.1.0"
+CORE_VERSION = "0.3.75"
+NODE_ID = "LayerwiseOffload"
+STATS_ID = "LayerwiseOffloadStats"
+
+# Slots of every node type used: (inputs [(name, type)], outputs [(name, type)], widget names).
+# tests/e2e/test_workflows.py checks these against ComfyUI 0.3.75's /object_info.
+SPECS: Dict[str, Tuple[List[Tuple[str, str]], List[Tuple[str, str]], List[str]]] = {
+    "UNETLoader": ([], [("MODEL", "MODEL")], ["unet_name", "weight_dtype"]),
+    "CLIPLoader": ([], [("CLIP", "CLIP")], ["clip_name", "type", "device"]),
+    "DualCLIPLoader": ([], [("CLIP", "CLIP")], ["clip_name1", "clip_name2", "type", "device"]),
+    "VAELoader": ([], [("VAE", "VAE")], ["vae_name"]),
+    "CLIPTextEncode": ([("clip", "CLIP")], [("CONDITIONING", "CONDITIONING")], ["text"]),
+    "FluxGuidance": ([("conditioning", "CONDITIONING")], [("CONDITIONING", "CONDITIONING")], ["guidance"]),
+    "ConditioningZeroOut": ([("conditioning", "CONDITIONING")], [("CONDITIONING", "CONDITIONING")], []),
+    "EmptySD3LatentImage": ([], [("LATENT", "LATENT")], ["width", "height", "batch_size"]),
+    "EmptyHunyuanLatentVideo": ([], [("LATENT", "LATENT")], ["width", "height", "length", "batch_size"]),
+    "KSampler": ([("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                  ("latent_image", "LATENT")], [("LATENT", "LATENT")],
+                 ["seed", "control_after_generate", "steps", "cfg", "sampler_name", "scheduler", "denoise"]),
+    "KSamplerAdvanced": ([("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                          ("latent_image", "LATENT")], [("LATENT", "LATENT")],
+                         ["add_noise", "noise_seed", "control_after_generate", "steps", "cfg", "sampler_name",
+                          "scheduler", "start_at_step", "end_at_step", "return_with_leftover_noise"]),
+    "ModelSamplingSD3": ([("model", "MODEL")], [("MODEL", "MODEL")], ["shift"]),
+    "ModelSamplingAuraFlow": ([("model", "MODEL")], [("MODEL", "MODEL")], ["shift"]),
+    "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [("IMAGE", "IMAGE")], []),
+    "VAEDecodeTiled": ([("samples", "LATENT"), ("vae", "VAE")], [("IMAGE", "IMAGE")],
+                       ["tile_size", "overlap", "temporal_size", "temporal_overlap"]),
+    "SaveImage": ([("images", "IMAGE")], [], ["filename_prefix"]),
+    "CreateVideo": ([("images", "IMAGE"), ("audio", "AUDIO")], [("VIDEO", "VIDEO")], ["fps"]),
+    "SaveVideo": ([("video", "VIDEO")], [], ["filename_prefix", "format", "codec"]),
+    "RandomNoise": ([], [("NOISE", "NOISE")], ["noise_seed", "control_after_generate"]),
+    "KSamplerSelect": ([], [("SAMPLER", "SAMPLER")], ["sampler_name"]),
+    "BasicScheduler": ([("model", "MODEL")], [("SIGMAS", "SIGMAS")], ["scheduler", "steps", "denoise"]),
+    "BasicGuider": ([("model", "MODEL"), ("conditioning", "CONDITIONING")], [("GUIDER", "GUIDER")], []),
+    "SamplerCustomAdvanced": ([("noise", "NOISE"), ("guider", "GUIDER"), ("sampler", "SAMPLER"),
+                               ("sigmas", "SIGMAS"), ("latent_image", "LATENT")],
+                              [("output", "LATENT"), ("denoised_output", "LATENT")], []),
+    "LoadTrainingDataset": ([], [("latents", "LATENT"), ("conditioning", "CONDITIONING")], ["folder_name"]),
+    "SaveLatent": ([("samples", "LATENT")], [], ["filename_prefix"]),
+    NODE_ID: ([("model", "MODEL")], [("MODEL", "MODEL")],
+              ["resident_layers", "prefetch_size", "residency_policy", "pin_memory"]),
+    STATS_ID: ([("model", "MODEL"), ("after", "LATENT")], [("STRING", "STRING")], []),
+    "MarkdownNote": ([], [], ["text"]),
+    "Note": ([], [], ["text"]),
+}
+
+#: Frontend-only node types (not in /object_info): they never reach the server.
+FRONTEND_ONLY = {"Note", "MarkdownNote", "Reroute", "PrimitiveNode"}
+
+# Where ComfyUI's templates (or the Comfy-Org repackaged repos) host each file, for the frontend's model download.
+MODEL_URLS = {
+    "flux1-dev.safetensors": "https://huggingface.co/Comfy-Org/flux1-dev/resolve/main/flux1-dev.safetensors",
+    "clip_l.safetensors": "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors",
+    "t5xxl_fp16.safetensors":
+        "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors",
+    "ae.safetensors":
+        "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors",
+    "wan2.1_t2v_14B_bf16.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/diffusion_models/"
+        "wan2.1_t2v_14B_bf16.safetensors",
+    "umt5_xxl_fp8_e4m3fn_scaled.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/text_encoders/"
+        "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+    "wan_2.1_vae.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/vae/"
+        "wan_2.1_vae.safetensors",
+    "wan2.2_t2v_high_noise_14B_fp16.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/diffusion_models/"
+        "wan2.2_t2v_high_noise_14B_fp16.safetensors",
+    "wan2.2_t2v_low_noise_14B_fp16.safetensors":
+        "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/diffusion_models/"
+        "wan2.2_t2v_low_noise_14B_fp16.safetensors",
+    "qwen_image_fp8_e4m3fn.safetensors":
+        "https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/diffusion_models/"
+        "qwen_image_fp8_e4m3fn.safetensors",
+    "qwen_2.5_vl_7b_fp8_scaled.safetensors":
+        "https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/text_encoders/"
+        "qwen_2.5_vl_7b_fp8_scaled.safetensors",
+    "qwen_image_vae.safetensors":
+        "https://huggingface.co/Comfy-Org/Qwen-Image_ComfyUI/resolve/main/split_files/vae/qwen_image_vae.safetensors",
+    "hunyuan_video_t2v_720p_bf16.safetensors":
+        "https://huggingface.co/Comfy-Org/HunyuanVideo_repackaged/resolve/main/split_files/diffusion_models/"
+        "hunyuan_video_t2v_720p_bf16.safetensors",
+    "llava_llama3_fp8_scaled.safetensors":
+        "https://huggingface.co/Comfy-Org/HunyuanVideo_repackaged/resolve/main/split_files/text_encoders/"
+        "llava_llama3_fp8_scaled.safetensors",
+    "hunyuan_video_vae_bf16.safetensors":
+        "https://huggingface.co/Comfy-Org/HunyuanVideo_repackaged/resolve/main/split_files/vae/"
+        "hunyuan_video_vae_bf16.safetensors",
+}
+MODEL_DIRS = {"UNETLoader": "diffusion_models", "CLIPLoader": "text_encoders", "DualCLIPLoader": "text_encoders",
+              "VAELoader": "vae"}
+
+# Colours ComfyUI's templates use for loaders (red) and for our node (green, so it stands out).
+LOADER_COLOR = ("#322", "#533")
+OFFLOAD_COLOR = ("#232", "#353")
+NOTE_COLOR = ("#432", "#653")
+
+
+class Graph:
+    """A tiny builder for LiteGraph's serialised graph (what the frontend saves as version 0.4)."""
+
+    def __init__(self, workflow_id: str) -> None:
+        self.id = workflow_id
+        self.nodes: List[Dict[str, Any]] = []
+        self.links: List[List[Any]] = []
+        self.groups: List[Dict[str, Any]] = []
+
+    def add(self, type_: str, pos: Sequence[float], widgets: Sequence[Any] = (), size: Sequence[float] = (300, 100),
+            title: Optional[str] = None, color: Optional[Tuple[str, str]] = None) -> Dict[str, Any]:
+        ins, outs, widget_names = SPECS[type_]
+        if len(widgets) != len(widget_names):
+            raise ValueError(f"{type_}: {len(widgets)} widget values for {widget_names}")
+        node: Dict[str, Any] = {
+            "id": len(self.nodes) + 1,
+            "type": type_,
+            "pos": [float(pos[0]), float(pos[1])],
+            "size": [float(size[0]), float(size[1])],
+            "flags": {},
+            "order": 0,
+            "mode": 0,
+            "inputs": [{"name": n, "type": t, "link": None} for n, t in ins],
+            "outputs": [{"name": n, "type": t, "links": [], "slot_index": i} for i, (n, t) in enumerate(outs)],
+            "properties": {},
+            "widgets_values": list(widgets),
+        }
+        if type_ not in FRONTEND_ONLY:
+            node["properties"]["Node name for S&R"] = type_
+            if type_ in (NODE_ID, STATS_ID):
+                node["properties"].update({"cnr_id": PACK_CNR_ID, "ver": PACK_VERSION})
+            else:
+                node["properties"].update({"cnr_id": "comfy-core", "ver": CORE_VERSION})
+        if type_ in MODEL_DIRS:
+            models = [{"name": v, "url": MODEL_URLS[v], "directory": MODEL_DIRS[type_]}
+                      for v in widgets if isinstance(v, str) and v in MODEL_URLS]
+            if models:
+                node["properties"]["models"] = models
+        if title:
+            node["title"] = title
+        if color:
+            node["color"], node["bgcolor"] = color
+        self.nodes.append(node)
+        return node
+
+    def connect(self, src: Dict[str, Any], src_slot: int, dst: Dict[str, Any], dst_input: str) -> None:
+        link_id = len(self.links) + 1
+        out = src["outputs"][src_slot]
+        slot = next(i for i, inp in enumerate(dst["inputs"]) if inp["name"] == dst_input)
+        inp = dst["inputs"][slot]
+        if inp["link"] is not None:
+            raise ValueError(f"{dst['type']}.{dst_input} is already linked")
+        if out["type"] != inp["type"]:
+            raise ValueError(f"type mismatch {src['type']}.{out['name']} -> {dst['type']}.{dst_input}")
+        out["links"].append(link_id)
+        inp["link"] = link_id
+        self.links.append([link_id, src["id"], src_slot, dst["id"], slot, out["type"]])
+
+    def group(self, title: str, bounding: Sequence[float], color: str = "#3f789e") -> None:
+        self.groups.append({"id": len(self.groups) + 1, "title": title, "bounding": [float(b) for b in bounding],
+                            "color": color, "font_size": 24, "flags": {}})
+
+    def _order(self) -> None:
+        # Execution order as the frontend stores it: a topological order of the graph (stable by id).
+        deps = {n["id"]: set() for n in self.nodes}
+        for _, src, _, dst, _, _ in self.links:
+            deps[dst].add(src)
+        done: List[int] = []
+        while len(done) < len(self.nodes):
+            ready = sorted(i for i, d in deps.items() if i not in done and d <= set(done))
+            if not ready:
+                raise ValueError("cycle in graph")
+            done.append(ready[0])
+        for n in self.nodes:
+            n["order"] = done.index(n["id"])
+
+    def to_json(self) -> Dict[str, Any]:
+        self._order()
+        return {
+            "id": self.id,
+            "revision": 0,
+            "last_node_id": len(self.nodes),
+            "last_link_id": len(self.links),
+            "nodes": self.nodes,
+            "links": self.links,
+            "groups": self.groups,
+            "config": {},
+            # Open with the whole graph's top-left corner (the note) in view, below the frontend's top bars.
+            "extra": {"ds": {"scale": 0.7, "offset": [
+                120.0 - min(n["pos"][0] for n in self.nodes), 180.0 - min(n["pos"][1] for n in self.nodes)]}},
+            "version": 0.4,
+        }
+
+
+def _wid(name: str) -> str:
+    # Stable ids, so regenerating gives identical files.
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/layerwise-offload/" + name))
+
+
+HOW_TO = """## Layerwise Offload: choosing `resident_layers`
+
+The **Layerwise Offload (DiT)** node keeps the first `resident_layers` transformer blocks of the model on the GPU
+and streams every other block from pinned CPU memory while sampling, `prefetch_size` blocks ahead of the one that
+runs. Each resident block no longer crosses PCIe at every step, so **more resident blocks = faster, fewer = less
+VRAM**.
+
+1. Start from the VRAM that is free while sampling: total VRAM, minus what the desktop/other apps hold, minus the
+   sampling activations (they grow with resolution and frame count), minus a safety margin of 1-2 GB.
+2. Subtract the streaming window: `prefetch_size + 1` blocks.
+3. Divide the rest by the block size below: that is `resident_layers`.
+4. Out of memory? Lower `resident_layers` by a few (or lower the resolution). VRAM left over? Raise it.
+
+This workflow starts with `-1` (auto): it keeps as many blocks as fit in the VRAM that is free at the first step
+of each run, after room for activations. The numbers below are fixed counts to start from instead. `0` streams every block (least VRAM, slowest). A value at or above the block
+count keeps the whole model resident (like no offload). After a run, the **Layerwise Offload Stats** node shows
+the blocks resident and streamed, the bytes copied per step, how long sampling waited for copies, the peak VRAM
+and what to change. `residency_policy = strided` spreads the streamed blocks evenly over the step instead
+of keeping the leading ones, which can smooth PCIe traffic. `pin_memory` (on) makes copies faster and
+asynchronous; turn it off only if the system runs short of RAM.
+"""
+
+
+def _note(g: Graph, pos, text: str, size=(520, 560)) -> None:
+    g.add("MarkdownNote", pos, [text], size=size, color=NOTE_COLOR)
+
+
+#: Every shipped workflow starts in auto mode; the notes give fixed counts for each card size.
+AUTO = -1
+
+
+def _offload(g: Graph, pos, resident: int = AUTO, prefetch: int = 1, title: Optional[str] = None) -> Dict[str, Any]:
+    return g.add(NODE_ID, pos, [resident, prefetch, "leading", True], size=(320, 154), title=title,
+                 color=OFFLOAD_COLOR)
+
+
+def _stats(g: Graph, pos, offload: Dict[str, Any], sampler: Dict[str, Any], title: Optional[str] = None) -> None:
+    """A Layerwise Offload Stats node reading the offload's MODEL after ``sampler`` (output 0) ran."""
+    st = g.add(STATS_ID, pos, [], size=(420, 220), title=title, color=OFFLOAD_COLOR)
+    g.connect(offload, 0, st, "model")
+    g.connect(sampler, 0, st, "after")
