@@ -1,7 +1,8 @@
 """Start and stop a real ComfyUI server (``python main.py``) with this pack installed, and talk to its HTTP API.
 
-Used by tests/e2e (one server per test session) and scripts/run.sh. Nothing here imports ComfyUI or torch: the
-server is a child process, and the API calls use only the standard library.
+Used by tests/e2e (one server per test session), scripts/run.sh and devtools/server_cli.py (its command line).
+Nothing here imports ComfyUI or torch: the server is a child process, and the API calls use only the standard
+library.
 
 A server gets its own **base directory** (``--base-directory``, supported by ComfyUI 0.3.75: models/, custom_nodes/,
 input/, output/, temp/ and user/ all live under it), so tests never touch the ComfyUI checkout. The pack is
@@ -29,7 +30,7 @@ import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
 
 __all__ = [
     "PACK_FOLDER",
@@ -339,70 +340,3 @@ class ComfyServer:
     def free_memory(self) -> None:
         """POST /free: unload models and free memory (what the UI's "Unload models" button does)."""
         self.request("POST", "/api/free", {"unload_models": True, "free_memory": True})
-
-
-def smoke(base_dir: Optional[PathLike] = None, workflow: Optional[PathLike] = None, cpu: bool = True,
-          comfyui_path: Optional[PathLike] = None, timeout: float = 240.0) -> Dict[str, Any]:
-    """Start a server on a free port, run the tiny demo workflow through the API as the frontend would send it,
-    stop the server, and return ``{"url", "outputs", "seconds"}``. Raises on any failure (with the log tail)."""
-    from .workflow_api import validate_workflow, workflow_to_prompt  # relative: run as a module or by path
-
-    workflow = Path(workflow) if workflow else next((repo_root() / "workflows").glob("Tiny demo*.json"))
-    wf = json.loads(Path(workflow).read_text(encoding="utf-8"))
-    srv = ComfyServer(base_dir, cpu=cpu, env={"LAYERWISE_OFFLOAD_CPU_LOOPBACK": "1"}, comfyui_path=comfyui_path)
-    t0 = time.monotonic()
-    with srv:
-        info = srv.object_info()
-        problems = validate_workflow(wf, info, check_files=True)
-        if problems:
-            raise ServerError(f"{workflow} does not fit this server:\n" + "\n".join(problems))
-        entry = srv.run_prompt(workflow_to_prompt(wf, info), timeout=timeout)
-        files = [str(p) for p in srv.output_files(entry)]
-    return {"url": srv.url, "outputs": files, "seconds": round(time.monotonic() - t0, 1)}
-
-
-def _main(argv: Optional[Iterable[str]] = None) -> int:
-    import argparse
-
-    ap = argparse.ArgumentParser(description="Start ComfyUI with this pack (serve), or run the tiny demo once (smoke).")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("serve", help="start ComfyUI in a base directory with the pack linked; Ctrl+C stops it")
-    sp.add_argument("--base", required=True)
-    sp.add_argument("--port", type=int, default=None)
-    sp.add_argument("--gpu", action="store_true", help="do not pass --cpu")
-    sm = sub.add_parser("smoke", help="start a server, run the tiny demo workflow, stop")
-    sm.add_argument("--base", default=None, help="base directory (default: ComfyUI's own folders)")
-    sm.add_argument("--comfyui", default=None, help="ComfyUI folder (default: $COMFYUI_PATH or .comfyui/ComfyUI)")
-    sm.add_argument("--gpu", action="store_true", help="do not pass --cpu")
-    a, rest = ap.parse_known_args(argv)
-    if a.cmd == "smoke":
-        res = smoke(a.base, cpu=not a.gpu, comfyui_path=a.comfyui)
-        print(json.dumps(res, indent=1))
-        return 0
-    base = prepare_base_dir(a.base)
-    srv = ComfyServer(base, port=a.port, cpu=not a.gpu, env={"LAYERWISE_OFFLOAD_CPU_LOOPBACK": "1"},
-                      extra_args=rest)
-    srv.start()
-    print(f"ComfyUI at {srv.url} (log: {srv.log_path}); Ctrl+C stops it", flush=True)
-    try:
-        while srv.alive():
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        srv.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    if __package__ in (None, ""):  # run by path: register the repo as `layerwise_offload`, then re-enter
-        import importlib.util as _ilu
-
-        _spec = _ilu.spec_from_file_location("_lwo_comfy_env", Path(__file__).resolve().parent / "comfy_env.py")
-        _env = _ilu.module_from_spec(_spec)
-        _spec.loader.exec_module(_env)
-        _env.register_pack()
-        from layerwise_offload.devtools import server as _server
-
-        sys.exit(_server._main())
-    sys.exit(_main())

@@ -139,7 +139,7 @@ if [[ $SMOKE == 1 ]]; then
     gpu_flag=()
     [[ ${#DEVICE_ARGS[@]} -eq 0 ]] && gpu_flag=(--gpu)
     log "smoke run on $DEVICE_WORDS: start ComfyUI, run the tiny demo workflow, stop"
-    exec "$PY" -P devtools/server.py smoke --comfyui "$COMFY_DIR" --base "$BASE" "${gpu_flag[@]}"
+    exec "$PY" -P devtools/server_cli.py smoke --comfyui "$COMFY_DIR" --base "$BASE" "${gpu_flag[@]}"
 fi
 
 PORT="${PORT:-8188}"
