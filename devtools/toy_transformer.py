@@ -56,3 +56,16 @@ class ToyTransformer(nn.Module):
             if index not in self.skip:
                 x = blocks[index](x)
         return self.head(x)
+
+
+def toy_and_reference(order, double: int, single: int, dim: int = 16, hidden: int = 24):
+    """A fresh :class:`ToyTransformer` that runs its blocks in ``order``, an input, and the output the same model
+    gives for it without any offload (the bitwise reference): ``(model, x, want)``."""
+    x = torch.randn(1, 3, dim, generator=torch.Generator().manual_seed(0))
+    reference = ToyTransformer(dim=dim, hidden=hidden, double=double, single=single)
+    reference.order = order
+    with torch.no_grad():
+        want = reference(x)
+    model = ToyTransformer(dim=dim, hidden=hidden, double=double, single=single)
+    model.order = order
+    return model, x, want

@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layerwise_offload.devtools.toy_transformer import ToyTransformer
+from layerwise_offload.devtools.toy_transformer import ToyTransformer, toy_and_reference
 from layerwise_offload.offload import apply_layerwise_offload
 from layerwise_offload.offload.call_order import CallOrder
 
@@ -13,13 +13,7 @@ VACE_LIKE = [0, 4, 1, 2, 5, 3, 6]  # main blocks 0-3, "vace" blocks 4-6 run afte
 
 
 def run(order, resident, prefetch, forwards, policy="leading", double=3, single=4):
-    x = torch.randn(1, 3, 16, generator=torch.Generator().manual_seed(0))
-    reference = ToyTransformer(dim=16, hidden=24, double=double, single=single)
-    reference.order = order
-    with torch.no_grad():
-        want = reference(x)
-    model = ToyTransformer(dim=16, hidden=24, double=double, single=single)
-    model.order = order
+    model, x, want = toy_and_reference(order, double, single)
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy)
     per_forward = []

@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layerwise_offload.devtools.toy_transformer import ToyTransformer
+from layerwise_offload.devtools.toy_transformer import ToyTransformer, toy_and_reference
 from layerwise_offload.offload import Schedule, apply_layerwise_offload, choose_resident_blocks, resolve_resident_count
 
 
@@ -63,13 +63,7 @@ def test_upcoming_streamed_wraps_into_the_next_step():
 def test_random_plans_and_call_patterns(double, single, resident, prefetch, policy, data):
     count = double + single
     order = data.draw(st.lists(st.integers(0, count - 1), min_size=0, max_size=2 * count), label="order")
-    x = torch.randn(1, 3, 16, generator=torch.Generator().manual_seed(0))
-    reference = ToyTransformer(dim=16, hidden=24, double=double, single=single)
-    reference.order = order
-    with torch.no_grad():
-        want = reference(x)
-    model = ToyTransformer(dim=16, hidden=24, double=double, single=single)
-    model.order = order
+    model, x, want = toy_and_reference(order, double, single)
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model,
                                       resident_layers=resident, prefetch_size=prefetch, policy=policy)
     blocks = model.blocks_in_call_order()
