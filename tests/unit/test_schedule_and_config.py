@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from layerwise_offload.devtools.toy_transformer import ToyTransformer, toy_and_reference
+from layerwise_offload.devtools.toy_transformer import toy_and_reference
 from layerwise_offload.offload import Schedule, apply_layerwise_offload, choose_resident_blocks, resolve_resident_count
 
 
