@@ -98,10 +98,7 @@ class OffloadController:
         # loads the model with a budget or asks for memory back.
         self.resident_cap: Optional[int] = None
         self.loaded_by: Optional[int] = None  # id() of the patcher ComfyUI loaded this model through
-        self.manager = shared_manager(self.diffusion_model, discovered, self.device, self.config)
-        self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
-        self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
-        self.manager.pinner = comfyui_pinner() or self.manager.pinner
+        self._use_manager_on(self.device)
         self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
         self._run_start = None
@@ -340,9 +337,14 @@ class OffloadController:
         """ComfyUI loads this model onto another device than planned (a multi-GPU copy): manage it there."""
         device = normalize_device(torch.device(device))
         if device != self.device and device.type != "cpu":
-            self.manager = shared_manager(self.diffusion_model, self.discovered, device, self.config)
-            self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
-            self.device = self.manager.device
+            self._use_manager_on(device)
+
+    def _use_manager_on(self, device) -> None:
+        """This model's manager for ``device`` (shared by every output of the model), with ComfyUI's pinning."""
+        self.manager = shared_manager(self.diffusion_model, self.discovered, device, self.config)
+        self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
+        self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
+        self.manager.pinner = comfyui_pinner() or self.manager.pinner
 
     def begin_run(self, patcher) -> None:
         self.manager.reset_peaks()
