@@ -65,26 +65,36 @@ def device_patch_plan(patcher, blocks: Sequence[torch.nn.Module], block_keys: Se
     return plan
 
 
-def patched_weight(weight: torch.Tensor, patches: list, key: str, load_device) -> torch.Tensor:
-    """ComfyUI's ``patch_weight_to_device`` math for ``weight`` (already on the device), not written back."""
-    compute_dtype = getattr(comfy.model_management, "lora_compute_dtype", lambda device: torch.float32)
-    temp = comfy.model_management.cast_to_device(weight, weight.device, compute_dtype(load_device), copy=True)
+def lora_compute_dtype(load_device) -> torch.dtype:
+    """The dtype ComfyUI computes a LoRA'd weight in on ``load_device`` (0.14.1 asks; 0.3.75: float32)."""
+    ask = getattr(comfy.model_management, "lora_compute_dtype", None)
+    return ask(load_device) if ask is not None else torch.float32
+
+
+def patched_weight(weight: torch.Tensor, patches: list, key: str, compute_dtype: torch.dtype,
+                   seed: int) -> torch.Tensor:
+    """ComfyUI's ``patch_weight_to_device`` math for ``weight`` (already on the device), not written back;
+    ``seed`` is ComfyUI's ``string_to_seed(key)``."""
+    temp = comfy.model_management.cast_to_device(weight, weight.device, compute_dtype, copy=True)
     out = comfy.lora.calculate_weight(patches, temp, key)
-    return comfy.float.stochastic_rounding(out, weight.dtype, seed=_string_to_seed(key))
+    return comfy.float.stochastic_rounding(out, weight.dtype, seed=seed)
 
 
 class DeviceLora:
-    """The manager's after-copy transform: patches the planned weights of a block in its device buffer."""
+    """The manager's after-copy transform: patches the planned weights of a block in its device buffer.
+    Runs at every copy of a streamed block, so what does not change between copies is worked out once here."""
 
     def __init__(self, plan: Dict[int, List[DevicePatch]], load_device, signature=None):
         self.plan = plan
         self.load_device = load_device
         self.signature = signature  # what it was built from (patches, device, weights), to tell it apart
+        self._compute_dtype = lora_compute_dtype(load_device)
+        self._seeds = {key: _string_to_seed(key) for patches in plan.values() for _, key, _ in patches}
 
     def __call__(self, index: int, weights: Sequence[torch.Tensor]) -> None:
         for position, key, patches in self.plan.get(index, ()):
             weight = weights[position]
-            weight.copy_(patched_weight(weight, patches, key, self.load_device))
+            weight.copy_(patched_weight(weight, patches, key, self._compute_dtype, self._seeds[key]))
 
 
 def scratch_bytes(blocks: Sequence[torch.nn.Module], plan: Dict[int, List[DevicePatch]]) -> int:
