@@ -15,6 +15,8 @@ key             ComfyUI classes                  block lists (attribute on ``dif
 ``hunyuan_video`` HunyuanVideo / model_base.HunyuanVideo ``double_blocks`` (2), ``single_blocks`` (2)
 ``sd3``         SD3 / model_base.SD3             ``joint_blocks`` (3)
 ``lumina2``     Lumina2 / model_base.Lumina2     ``context_refiner`` (2), ``noise_refiner`` (2), ``layers`` (3)
+``ltxv``        LTXV / model_base.LTXV           ``transformer_blocks`` (3); ``scale_shift_table`` on each block and on
+                                                 the model itself (parameters of non-leaf modules)
 =============== ================================ ====================================================
 
 The tiny Wan 2.1 has the shapes ComfyUI's detector understands (dim 256 = 2 heads of 128, text_dim 4096, ffn 512),
@@ -47,6 +49,7 @@ __all__ = [
     "build_hunyuan_video",
     "build_sd3",
     "build_lumina2",
+    "build_ltxv",
     "save_tiny_wan21",
     "load_tiny_wan21",
     "make_conditioning",
@@ -191,6 +194,16 @@ def build_lumina2(seed: int = 0, dtype: torch.dtype = torch.float32):
     ), seed, dtype)
 
 
+def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32):
+    """Tiny LTX-Video (3 ``transformer_blocks``, 2 heads of 32, T5 context 64 with an integer attention mask).
+    Latent [B, 128, T, H, W]. Its blocks and the model hold ``scale_shift_table`` parameters beside child modules,
+    which ComfyUI's own load never patches."""
+    return _build("LTXV", dict(
+        image_model="ltxv", in_channels=128, cross_attention_dim=64, attention_head_dim=32,
+        num_attention_heads=2, caption_channels=64, num_layers=3,
+    ), seed, dtype)
+
+
 # --------------------------------------------------------------------------------------------------- file round trip
 
 def save_tiny_wan21(path: "os.PathLike | str", seed: int = 0) -> str:
@@ -224,7 +237,8 @@ def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
 
 
 def _cond_factory(context_dim: int, pooled_dim: Optional[int] = None, guidance: Optional[float] = None,
-                  tokens: int = TEXT_TOKENS) -> Callable[[int], Tuple[Conditioning, Conditioning]]:
+                  tokens: int = TEXT_TOKENS, attention_mask: bool = False
+                  ) -> Callable[[int], Tuple[Conditioning, Conditioning]]:
     def make(seed: int = 0) -> Tuple[Conditioning, Conditioning]:
         gen = torch.Generator(device="cpu").manual_seed(int(seed) + 1_000_003)
         out = []
@@ -235,6 +249,8 @@ def _cond_factory(context_dim: int, pooled_dim: Optional[int] = None, guidance: 
                 extra["pooled_output"] = _randn(gen, 1, pooled_dim)
             if guidance is not None:
                 extra["guidance"] = guidance
+            if attention_mask:  # LTXV's T5 encoder hands one over; integer, as the model expects
+                extra["attention_mask"] = torch.ones(1, tokens, dtype=torch.long)
             out.append([[ctx, extra]])
         return out[0], out[1]
     return make
@@ -277,6 +293,8 @@ TINY_FAMILIES: Dict[str, TinyFamily] = {
         TinyFamily("lumina2", build_lumina2, (1, 16, 16, 16), _cond_factory(64),
                    ("context_refiner", "noise_refiner", "layers"), (2, 2, 3), "Lumina2",
                    "context_refiner runs on the text first, then noise_refiner on the image, then layers"),
+        TinyFamily("ltxv", build_ltxv, (1, 128, 2, 4, 4), _cond_factory(64, attention_mask=True),
+                   ("transformer_blocks",), (3,), "LTXV", "scale_shift_table on blocks and model (non-leaf)"),
     )
 }
 

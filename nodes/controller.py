@@ -29,6 +29,7 @@ from ..offload.pinning import return_freed_host_memory
 from .discovery import DiscoveredBlocks
 from .host_ram import compact_backups, comfyui_pinner
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
+from .load_decisions import apply_cast_decisions, comfyui_load_decisions
 
 log = logging.getLogger("layerwise_offload")
 
@@ -164,16 +165,20 @@ class OffloadController:
 
         Block LoRA is applied on the device after each copy (device_lora.py), except for the weights
         that must be baked into the store, or all of them with ``bake_all`` (ComfyUI's force_patch_weights).
-        ``extra_memory`` is ComfyUI's budget for more weights on the device (what its partial
-        loading would use); the resident count is capped so the plan stays inside it.
+        Only the weights ComfyUI's own load would patch are patched, and modules cast as it would cast them
+        (load_decisions.py). ``extra_memory`` is ComfyUI's budget for more weights on the device (what its
+        partial loading would use); the resident count is capped so the plan stays inside it.
         """
         self.follow_device(device_to)
-        self.put_non_block_weights(patcher, device_to)
-        plan = {} if bake_all else device_patch_plan(patcher, self.discovered.blocks, self.block_keys)
+        decisions = comfyui_load_decisions(patcher)
+        apply_cast_decisions(patcher, decisions, device_to)
+        self.put_non_block_weights(patcher, device_to, decisions)
+        plan = {} if bake_all else device_patch_plan(patcher, self.discovered.blocks, self.block_keys, decisions)
         self.device_lora_scratch = scratch_bytes(self.discovered.blocks, plan)
         self._fit_budget(extra_memory, loaded_before)
         self._use_own_settings()
-        self._bake_block_patches(patcher, device_to, skip={key for p in plan.values() for _, key, _ in p})
+        self._bake_block_patches(patcher, device_to, decisions,
+                                 skip={key for p in plan.values() for _, key, _ in p})
         changed = self.manager.prepare(progress=_progress_bar())
         if changed:
             log.info("[layerwise-offload] host store: %d blocks packed (%s, %s pinned)", len(changed),
@@ -193,15 +198,17 @@ class OffloadController:
         self._device_plan = plan
         point_backups_at_store(patcher, plan, self.manager.store)
 
-    def put_non_block_weights(self, patcher, device_to) -> None:
+    def put_non_block_weights(self, patcher, device_to, decisions=None) -> None:
+        """The non-block weights to ``device_to``; on the compute device with the patches ComfyUI's load applies."""
         device_to = normalize_device(torch.device(device_to))
         prefix_of = {id(m): name for name, m in self.base_model.named_modules()}
         for module in self._non_block_modules():
             name = prefix_of.get(id(module), "")
             if device_to == self.device:
+                decisions = decisions or comfyui_load_decisions(patcher)
                 for param_name in list(module._parameters):
                     key = f"{name}.{param_name}" if name else param_name
-                    if key in patcher.patches and key not in patcher.backup:
+                    if decisions.patches(patcher, key) and key not in patcher.backup:
                         patcher.patch_weight_to_device(key, device_to)
             for param in module._parameters.values():
                 if param is not None and param.device != device_to:
@@ -210,7 +217,7 @@ class OffloadController:
                 if buffer is not None and buffer.device != device_to:
                     module._buffers[key] = buffer.to(device_to)
 
-    def _bake_block_patches(self, patcher, device_to, skip=frozenset()) -> None:
+    def _bake_block_patches(self, patcher, device_to, decisions, skip=frozenset()) -> None:
         """Bake LoRA into the host store the way ComfyUI bakes a fully loaded model.
 
         ComfyUI's own ``patch_weight_to_device`` does the math (fp32 on the device, stochastic
@@ -221,7 +228,7 @@ class OffloadController:
         """
         pending: Dict[int, List[str]] = {}
         for key in patcher.patches:
-            if key in patcher.backup or key in skip:
+            if key in patcher.backup or key in skip or not decisions.patches(patcher, key):
                 continue
             for index, prefix in enumerate(self.block_keys):
                 if key.startswith(prefix):

@@ -47,9 +47,10 @@ def patches_own_weights(patcher) -> bool:
     return getattr(type(patcher).patch_weight_to_device, "__func__", type(patcher).patch_weight_to_device) is own
 
 
-def device_patch_plan(patcher, blocks: Sequence[torch.nn.Module], block_keys: Sequence[str]
+def device_patch_plan(patcher, blocks: Sequence[torch.nn.Module], block_keys: Sequence[str], decisions
                       ) -> Dict[int, List[DevicePatch]]:
-    """Per block, the patched weights that can be patched on the device bit for bit."""
+    """Per block, the patched weights that can be patched on the device bit for bit, among those ComfyUI's
+    own load patches (``decisions``, load_decisions.py)."""
     if not patches_own_weights(patcher):
         return {}
     plan: Dict[int, List[DevicePatch]] = {}
@@ -57,7 +58,7 @@ def device_patch_plan(patcher, blocks: Sequence[torch.nn.Module], block_keys: Se
         for position, (name, param) in enumerate(block_parameters(block)):
             key = prefix + name
             patches = patcher.patches.get(key)
-            if not patches or type(param.data) is not torch.Tensor:  # a subclass (quantized) weight bakes
+            if not patches or not decisions.patches(patcher, key) or type(param.data) is not torch.Tensor:  # a subclass (quantized) weight bakes
                 continue
             _, set_func, convert_func = comfy.model_patcher.get_key_weight(patcher.model, key)
             if set_func is None and convert_func is None:

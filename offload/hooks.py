@@ -55,6 +55,9 @@ class HookMixin:
             yield self
         except BaseException:
             self.end_forward(completed=False)
+            # The failure may have come between two steps of the bookkeeping (a copy issued, its slot not yet
+            # recorded): the next forward starts from nothing rather than from what this one left.
+            self.release_all()
             raise
         self.end_forward()
 
@@ -78,6 +81,8 @@ class HookMixin:
         self._last_forward_copies = self._forward_copies
         self._end_tracking(completed)
         self.wait_for_pending_copies()
+        if self._release_after_forward:
+            self.release_all()
 
     def wait_for_pending_copies(self) -> None:
         for index, handle in enumerate(self._pending_copy):

@@ -75,6 +75,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         self._placeholders: Dict[tuple, torch.Tensor] = {}
         self._reset_call_tracking()
         self._reset_device_state()
+        self._release_after_forward = False
         self._bytes_copied = 0
         self._copies_issued = 0
         self._demand_copies = 0
@@ -290,6 +291,11 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         self._expected_pointers[index] = [weight_pointer(param) for _, param in self._named_params[index]]
 
     def _point_released(self, index: int) -> None:
+        # Views made in the caller's mode (ComfyUI samples under inference_mode) would not fit the parameters.
+        with torch.inference_mode(self.inference_tensors):
+            self._point_released_views(index)
+
+    def _point_released_views(self, index: int) -> None:
         if self.config.released_params == "host":
             views = self._view_cache.get(("host", index))
             if views is None:
@@ -340,13 +346,25 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
 
     @_compiler_disable
     def release_all(self) -> None:
-        """Release every block, residents included, and free every device byte the manager holds."""
-        self.backend.synchronize()
-        if self.store is not None:
-            for index in range(self.num_blocks):
-                self._release(index)
-        self.backend.settle(block=True)
-        self._reset_device_state()
+        """Release every block, residents included, and free every device byte the manager holds.
+
+        Asked for inside a forward (a garbage-collected patcher's ``__del__`` can run at any allocation, even
+        between two statements of a copy), the release waits for the end of that forward: done at once it
+        would pull the slots from under the block being copied in.
+        """
+        if self._in_forward:
+            self._release_after_forward = True
+            return
+        self._release_after_forward = False
+        try:
+            self.backend.synchronize()
+            if self.store is not None:
+                for index in range(self.num_blocks):
+                    self._release(index)
+            self.backend.settle(block=True)
+        finally:
+            # Even when a failed forward left the bookkeeping half-updated, nothing of it survives.
+            self._reset_device_state()
 
     def _reset_device_state(self) -> None:
         self.schedule = None
