@@ -25,15 +25,10 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 
-def _sibling(name: str):
-    """A module beside this script, loaded by path: it runs with ``-P`` (no script folder on sys.path)."""
-    spec = importlib.util.spec_from_file_location(f"_lwo_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_graph = _sibling("workflow_graph")
+# The graph writer beside this script, loaded by path: it runs with ``-P`` (no script folder on sys.path).
+_spec = importlib.util.spec_from_file_location("_lwo_workflow_graph", Path(__file__).with_name("workflow_graph.py"))
+_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_graph)
 Graph, HOW_TO, LOADER_COLOR, WORKFLOW_DIR = _graph.Graph, _graph.HOW_TO, _graph.LOADER_COLOR, _graph.WORKFLOW_DIR
 _note, _offload, _stats, _wid = _graph._note, _graph._offload, _graph._stats, _graph._wid
 plan_note = _graph.plan_note
