@@ -1,34 +1,31 @@
-"""Files a real ComfyUI server needs to run the tiny demo and the end-to-end tests, written with ComfyUI's own classes.
+"""Files a real ComfyUI server needs to run the tiny demo and the end-to-end tests.
 
-A Wan graph normally needs a UMT5-XXL text encoder (5.7B parameters, fixed size: ComfyUI reads no size from the
-file) and a Wan VAE. Neither exists at tiny size in a form ComfyUI 0.3.75 detects, except the VAE, so:
+The demo's three files (tiny Wan 2.1 DiT, tiny Wan 2.1 VAE, saved conditioning) are written by the pack's own
+shipped script, demo/install_tiny_demo.py, the same step a user runs, so the tests load exactly what users get.
+That script needs no ComfyUI code: it reads the tensors' names and shapes from demo/tiny_demo_tensors.json, which
+this module writes from ComfyUI's own classes (``--write-tensors``) and tests/comfy/test_tiny_demo_files.py checks
+against them, bitwise, on every tested ComfyUI.
 
-* **Conditioning without a text encoder.** ComfyUI 0.3.75 has exactly one core node that produces CONDITIONING from
-  nothing but a file: ``LoadTrainingDataset`` (comfy_extras/nodes_dataset.py, "experimental"). It ``torch.load``\\s
-  (``weights_only=True``) every ``shard_*.pkl`` in ``<output>/<folder_name>/`` and returns lists of latents and
-  conditionings. :func:`write_conditioning_dataset` writes one shard holding one T5-shaped conditioning
-  ``[1, tokens, 4096]`` (what CLIPLoader type "wan" + CLIPTextEncode would give). The demo workflow takes the
-  positive from it and the negative from ``ConditioningZeroOut``. (``LotusConditioning`` also takes no input, but
-  its context is 1024 wide and Wan's ``text_embedding`` expects 4096.)
+* **Conditioning without a text encoder.** A Wan graph needs UMT5-XXL (5.7B parameters, fixed size). ComfyUI's core
+  node ``LoadTrainingDataset`` (comfy_extras/nodes_dataset.py) ``torch.load``\\s (``weights_only=True``) every
+  ``shard_*.pkl`` in ``<output>/<folder_name>/`` and returns latents and conditionings, so one shard with one
+  T5-shaped conditioning ``[1, tokens, 4096]`` stands in; the negative comes from ``ConditioningZeroOut``.
 * **A tiny Wan 2.1 VAE.** ComfyUI reads the Wan 2.1 VAE width from ``decoder.head.0.gamma`` (comfy/sd.py), so a
-  random ``comfy.ldm.wan.vae.WanVAE(dim=8)`` is detected by ``VAELoader``; ``VAEDecode`` turns the tiny latent into
-  frames (noise, but real frames) that ``SaveImage`` shows in the browser.
-* **A model that is not a DiT**, for the error path: an SD1.5-family UNet (``comfy.supported_models.SD15``: model
-  channels 320 and context 768 are fixed by the matcher, depth is read from the file) with one level, one res block
-  and one transformer block: ~17M parameters, detected by ``UNETLoader`` as SD1.5 (``BaseModel`` / ``UNetModel``).
-
-The tiny Wan 2.1 DiT itself comes from :func:`devtools.tiny_dits.save_tiny_wan21`.
+  random ``comfy.ldm.wan.vae.WanVAE(dim=8)`` is detected by ``VAELoader``.
+* **A model that is not a DiT**, for the error path (tests only, written here): an SD1.5-family UNet
+  (``comfy.supported_models.SD15``) with one level, one res block and one transformer block: ~17M parameters.
 
 Command line (used by scripts/run.sh)::
 
     python -P devtools/e2e_assets.py --base <ComfyUI base folder>     # models/ and output/ under it
+    python -P devtools/e2e_assets.py --write-tensors                  # demo/tiny_demo_tensors.json
 
 Everything is deterministic (fixed seeds) and skipped when the file already exists with the same recipe.
 """
-
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import sys
@@ -57,22 +54,30 @@ __all__ = [
     "TINY_SD15_UNET_NAME",
     "TINY_COND_FOLDER",
     "TINY_COND_TOKENS",
-    "save_tiny_wan21_vae",
+    "build_tiny_wan21_vae",
+    "comfyui_tensor_specs",
     "save_tiny_sd15_unet",
-    "write_conditioning_dataset",
     "install_demo_assets",
     "tiny_wan_prompt",
     "main",
 ]
 
-#: File names under models/diffusion_models, models/vae and output/ (what the tiny workflow and the tests refer to).
-TINY_WAN21_NAME = "layerwise_offload_tiny_wan21.safetensors"
-TINY_WAN21_VAE_NAME = "layerwise_offload_tiny_wan21_vae.safetensors"
-TINY_SD15_UNET_NAME = "layerwise_offload_tiny_sd15_unet.safetensors"
-TINY_COND_FOLDER = "layerwise_offload_tiny_wan21_cond"
-TINY_COND_TOKENS = 8
+_demo_spec = importlib.util.spec_from_file_location(
+    "_lwo_install_tiny_demo", Path(__file__).resolve().parents[1] / "demo" / "install_tiny_demo.py")
+#: The shipped writer of the tiny demo's files (demo/install_tiny_demo.py): the tests use the files a user gets.
+demo = importlib.util.module_from_spec(_demo_spec)
+_demo_spec.loader.exec_module(demo)
 
-_RECIPE_VERSION = "1"  # bump when a builder below changes, so install_demo_assets rewrites the files
+#: File names under models/diffusion_models, models/vae and output/ (what the tiny workflow and the tests refer to).
+TINY_WAN21_NAME = demo.WAN21_FILE
+TINY_WAN21_VAE_NAME = demo.VAE_FILE
+TINY_SD15_UNET_NAME = "layerwise_offload_tiny_sd15_unet.safetensors"
+TINY_COND_FOLDER = demo.COND_FOLDER
+TINY_COND_TOKENS = demo.COND_TOKENS
+
+_RECIPE_VERSION = "2"  # bump when the SD1.5 builder below changes, so install_demo_assets rewrites its file
+VAE_CONFIG = dict(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                  temperal_downsample=[False, True, True], dropout=0.0)
 
 
 def _init(module: torch.nn.Module, seed: int) -> None:
@@ -93,17 +98,31 @@ def _save(sd: Dict[str, torch.Tensor], path: Path, what: str) -> str:
     return str(path)
 
 
-def save_tiny_wan21_vae(path: "os.PathLike | str", seed: int = 0, dim: int = 8) -> str:
-    """A random Wan 2.1 VAE of width ``dim`` (real: 96), as ``VAELoader`` expects it (keys ``decoder.head.0.gamma``,
-    ``decoder.middle.0.residual.0.gamma``, ...). Latent 16 channels, x8 spatial, x4 temporal, like the real one."""
+def build_tiny_wan21_vae(seed: int = 0) -> torch.nn.Module:
+    """The tiny Wan 2.1 VAE from ComfyUI's own class (real width 96; latent 16 channels, x8 spatial, x4
+    temporal, like the real one), filled like the tiny DiTs. ``VAELoader`` reads the width from
+    ``decoder.head.0.gamma``."""
     import_comfyui()
     import comfy.ldm.wan.vae
 
-    vae = comfy.ldm.wan.vae.WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                                   temperal_downsample=[False, True, True], dropout=0.0)
+    vae = comfy.ldm.wan.vae.WanVAE(**VAE_CONFIG)
     _init(vae, seed)
-    # Norm gains near 1 and small weights keep the decoded frames in a sane range (it is still noise).
-    return _save(vae.state_dict(), Path(path), "tiny random Wan 2.1 VAE (dim %d)" % dim)
+    return vae
+
+
+def comfyui_tensor_specs() -> Dict[str, list]:
+    """``{"wan21" | "vae": [[name, shape], ...]}`` of the demo's two models as the imported ComfyUI builds them:
+    what demo/tiny_demo_tensors.json must list (``--write-tensors`` rewrites it)."""
+    from .tiny_dits import build_wan21
+
+    import_comfyui()
+    import comfy.ldm.wan.vae
+
+    with torch.device("meta"):
+        vae = comfy.ldm.wan.vae.WanVAE(**VAE_CONFIG)
+    dit = build_wan21(seed=0).model.diffusion_model
+    return {kind: [[k, list(v.shape)] for k, v in sorted(m.state_dict().items())]
+            for kind, m in (("wan21", dit), ("vae", vae))}
 
 
 def save_tiny_sd15_unet(path: "os.PathLike | str", seed: int = 0) -> str:
@@ -125,69 +144,26 @@ def save_tiny_sd15_unet(path: "os.PathLike | str", seed: int = 0) -> str:
     return _save(model.diffusion_model.state_dict(), Path(path), "tiny SD1.5-family UNet (not a DiT)")
 
 
-def write_conditioning_dataset(output_dir: "os.PathLike | str", folder: str = TINY_COND_FOLDER, seed: int = 0,
-                               tokens: int = TINY_COND_TOKENS, context_dim: int = 4096) -> str:
-    """Write ``<output_dir>/<folder>/shard_00000.pkl`` for the ``LoadTrainingDataset`` node: one sample, a zero
-    latent ``[1, 16, 2, 8, 8]`` and a random T5-shaped conditioning ``[[tensor[1, tokens, context_dim], {}]]``.
-    Returns the folder path."""
-    gen = torch.Generator(device="cpu").manual_seed(int(seed) + 7)
-    ctx = torch.randn((1, tokens, context_dim), generator=gen, dtype=torch.float32)
-    shard = {
-        "latents": [{"samples": torch.zeros((1, 16, 2, 8, 8), dtype=torch.float32)}],
-        "conditioning": [[[ctx, {}]]],
-    }
-    d = Path(output_dir) / folder
-    d.mkdir(parents=True, exist_ok=True)
-    tmp = d / f"shard_00000.pkl.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(shard, f)
-    os.replace(tmp, d / "shard_00000.pkl")
-    return str(d)
-
-
-def _atomic(path: Path, save, seed: int) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    save(tmp, seed=seed)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-
-
 def _stamp(seed: int) -> str:
-    src = Path(__file__).read_bytes() + (Path(__file__).parent / "tiny_dits.py").read_bytes()
-    return hashlib.sha256(src + f"{_RECIPE_VERSION}:{seed}".encode()).hexdigest()[:16]
+    return hashlib.sha256(Path(__file__).read_bytes() + f"{_RECIPE_VERSION}:{seed}".encode()).hexdigest()[:16]
 
 
 def install_demo_assets(models_dir: "os.PathLike | str", output_dir: "os.PathLike | str", seed: int = 0,
                         with_sd15: bool = True, force: bool = False) -> Dict[str, str]:
-    """Write every tiny asset into a ComfyUI layout and return ``{kind: path}``:
-
-    - ``wan21``: ``<models_dir>/diffusion_models/layerwise_offload_tiny_wan21.safetensors`` (tiny_dits),
-    - ``vae``: ``<models_dir>/vae/layerwise_offload_tiny_wan21_vae.safetensors``,
-    - ``sd15``: ``<models_dir>/diffusion_models/layerwise_offload_tiny_sd15_unet.safetensors`` (if ``with_sd15``),
-    - ``cond``: ``<output_dir>/layerwise_offload_tiny_wan21_cond/`` (for ``LoadTrainingDataset``).
-
-    A stamp file next to each model records the recipe; files with a matching stamp are not rewritten."""
-    from .tiny_dits import save_tiny_wan21
-
-    models_dir, output_dir = Path(models_dir), Path(output_dir)
-    stamp = _stamp(seed)
-    jobs = {
-        "wan21": (models_dir / "diffusion_models" / TINY_WAN21_NAME, lambda p: _atomic(p, save_tiny_wan21, seed)),
-        "vae": (models_dir / "vae" / TINY_WAN21_VAE_NAME, lambda p: save_tiny_wan21_vae(p, seed=seed)),
-    }
+    """Write every tiny asset into a ComfyUI layout and return ``{kind: path}``: ``wan21``, ``vae`` and ``cond``
+    as demo/install_tiny_demo.py writes them for a user, and ``sd15`` (if ``with_sd15``):
+    ``<models_dir>/diffusion_models/layerwise_offload_tiny_sd15_unet.safetensors``, with a stamp file beside it
+    recording its recipe (a file with a matching stamp is not rewritten)."""
+    out = demo.install(models_dir, output_dir, seed=seed, force=force)
     if with_sd15:
-        jobs["sd15"] = (models_dir / "diffusion_models" / TINY_SD15_UNET_NAME,
-                        lambda p: save_tiny_sd15_unet(p, seed=seed))
-    out: Dict[str, str] = {}
-    for kind, (path, build) in jobs.items():
-        stamp_file = path.with_name(path.name + ".stamp")
+        path = Path(models_dir) / "diffusion_models" / TINY_SD15_UNET_NAME
+        stamp, stamp_file = _stamp(seed), path.with_name(path.name + ".stamp")
         if force or not path.is_file() or not stamp_file.is_file() or stamp_file.read_text() != stamp:
-            build(path)
+            save_tiny_sd15_unet(path, seed=seed)
             tmp = stamp_file.with_name(f"{stamp_file.name}.{os.getpid()}.tmp")
             tmp.write_text(stamp)
             os.replace(tmp, stamp_file)
-        out[kind] = str(path)
-    out["cond"] = write_conditioning_dataset(output_dir, seed=seed)
+        out["sd15"] = str(path)
     return out
 
 
@@ -210,17 +186,34 @@ def tiny_wan_prompt(loader: dict, model_node: dict, seed: int, steps: int, prefi
     }
 
 
+def write_tensor_specs() -> Path:
+    """Rewrite demo/tiny_demo_tensors.json from the imported ComfyUI's classes."""
+    path = Path(demo.TENSORS_FILE)
+    data = {"about": "names and shapes of the tiny demo's tensors, from ComfyUI's Wan 2.1 classes; written by "
+                     "devtools/e2e_assets.py --write-tensors, checked by tests/comfy/test_tiny_demo_files.py",
+            "tensors": comfyui_tensor_specs()}
+    path.write_text(json.dumps(data, separators=(",", ":")).replace('],["', '],\n["') + "\n", encoding="utf-8")
+    return path
+
+
 def main(argv: Optional[list] = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="Write the tiny demo/test assets into a ComfyUI base folder.")
-    ap.add_argument("--base", required=True, help="ComfyUI base folder (holds models/ and output/)")
+    ap.add_argument("--base", help="ComfyUI base folder (holds models/ and output/)")
     ap.add_argument("--models-dir", help="models folder (default: <base>/models)")
     ap.add_argument("--output-dir", help="output folder (default: <base>/output)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-sd15", action="store_true", help="skip the tiny SD1.5 UNet (only the tests need it)")
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--write-tensors", action="store_true",
+                    help="only rewrite demo/tiny_demo_tensors.json from this ComfyUI's classes")
     a = ap.parse_args(argv)
+    if a.write_tensors:
+        print(f"wrote {write_tensor_specs()}")
+        return 0
+    if not a.base:
+        ap.error("--base is required")
     base = Path(a.base).resolve()
     res = install_demo_assets(a.models_dir or base / "models", a.output_dir or base / "output", seed=a.seed,
                               with_sd15=not a.no_sd15, force=a.force)

@@ -10,7 +10,9 @@ every file against the live ``/object_info`` either way.
     .venv/bin/python -P devtools/make_workflows.py            # rewrite workflows/*.json
     .venv/bin/python -P devtools/make_workflows.py --check    # exit 1 if a file differs from what it would write
 
-Pure Python: needs neither ComfyUI nor torch.
+It also writes each template's card picture (devtools/template_cards.py, with Pillow) and the README's memory
+table, all from one planner run (devtools/template_plans.json, written by devtools/template_memory.py --write).
+Needs neither ComfyUI nor torch.
 """
 
 from __future__ import annotations
@@ -23,17 +25,13 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 
-def _sibling(name: str):
-    """A module beside this script, loaded by path: it runs with ``-P`` (no script folder on sys.path)."""
-    spec = importlib.util.spec_from_file_location(f"_lwo_{name}", Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_graph = _sibling("workflow_graph")
+# The graph writer beside this script, loaded by path: it runs with ``-P`` (no script folder on sys.path).
+_spec = importlib.util.spec_from_file_location("_lwo_workflow_graph", Path(__file__).with_name("workflow_graph.py"))
+_graph = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_graph)
 Graph, HOW_TO, LOADER_COLOR, WORKFLOW_DIR = _graph.Graph, _graph.HOW_TO, _graph.LOADER_COLOR, _graph.WORKFLOW_DIR
 _note, _offload, _stats, _wid = _graph._note, _graph._offload, _graph._stats, _graph._wid
+plan_note = _graph.plan_note
 
 
 # --------------------------------------------------------------------------------------------------- workflows
@@ -67,11 +65,9 @@ def flux1_dev() -> Dict[str, Any]:
     g.connect(dec, 0, save, "images")
     _stats(g, (860, 420), off, ks)
     _note(g, (-560, 0), HOW_TO + """
-### Flux.1 [dev] (bf16, 23.8 GB)
+### Flux.1 [dev] (bf16)
 
-57 blocks in call order: 19 double blocks (~0.68 GB each), then 38 single blocks (~0.28 GB each).
-Non-block weights are ~0.2 GB. A fixed `resident_layers = 36` (19 double + 17 single, ~17.7 GB) is a starting point for a
-24 GB GPU at 1024x1024; 16 GB: ~19 (the double blocks alone are ~12.9 GB); 12 GB: ~12.
+""" + plan_note("flux1_dev", "1024x1024") + """
 
 Files: `flux1-dev.safetensors` in models/diffusion_models, `clip_l.safetensors` and `t5xxl_fp16.safetensors` in
 models/text_encoders, `ae.safetensors` in models/vae.
@@ -120,11 +116,9 @@ def wan21_t2v_14b() -> Dict[str, Any]:
     g.connect(vid, 0, save, "video")
     _stats(g, (860, 560), off, ks)
     _note(g, (-560, 0), HOW_TO + """
-### Wan 2.1 T2V 14B (bf16, 28.6 GB)
+### Wan 2.1 T2V 14B (bf16)
 
-40 blocks of ~0.70 GB each; non-block weights ~0.5 GB. A fixed `resident_layers = 20` (~14 GB) is a starting point for a
-24 GB GPU at 832x480, 33 frames; more frames or 720p need more activation memory, so fewer resident blocks.
-16 GB: ~10; 12 GB: ~5.
+""" + plan_note("wan21_t2v_14b", "832x480, 33 frames") + """
 
 Files: `wan2.1_t2v_14B_bf16.safetensors` in models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in
 models/text_encoders, `wan_2.1_vae.safetensors` in models/vae.
@@ -177,12 +171,13 @@ def wan22_t2v_a14b() -> Dict[str, Any]:
     _stats(g, (1160, 400), off_hi, ks_hi, title="Layerwise Offload Stats (high noise)")
     _stats(g, (1160, 680), off_lo, ks_lo, title="Layerwise Offload Stats (low noise)")
     _note(g, (-580, 0), HOW_TO + """
-### Wan 2.2 T2V A14B (two fp16 experts, 28.6 GB each)
+### Wan 2.2 T2V A14B (two fp16 experts)
 
-Each expert has 40 blocks of ~0.70 GB. They run one after the other (high noise for steps 0-10, low noise for
-10-20), each through its own Layerwise Offload node, so size `resident_layers` for ONE expert: when the low-noise
-expert needs the room, ComfyUI unloads the high-noise one (its resident blocks included). A fixed `resident_layers = 20` (~14 GB)
-per expert is a starting point for a 24 GB GPU at 640x640, 81 frames; 16 GB: ~8.
+The experts run one after the other (high noise for steps 0-10, low noise for 10-20), each through its own
+Layerwise Offload node, so `resident_layers` is for ONE expert: when the low-noise expert needs the room,
+ComfyUI unloads the high-noise one (its resident blocks included).
+
+""" + plan_note("wan22_t2v_a14b", "640x640, 81 frames") + """
 
 Files: `wan2.2_t2v_high_noise_14B_fp16.safetensors` and `wan2.2_t2v_low_noise_14B_fp16.safetensors` in
 models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text_encoders,
@@ -219,10 +214,9 @@ def qwen_image() -> Dict[str, Any]:
     g.connect(dec, 0, save, "images")
     _stats(g, (860, 420), off, ks)
     _note(g, (-560, 0), HOW_TO + """
-### Qwen-Image (fp8 e4m3fn, 20.4 GB)
+### Qwen-Image (fp8 e4m3fn)
 
-60 `transformer_blocks` of ~0.34 GB each in fp8 (twice that in bf16); non-block weights are small (<0.1 GB).
-A fixed `resident_layers = 40` (~13.6 GB) is a starting point for a 24 GB GPU at 1328x1328; 16 GB: ~20; 12 GB: ~10.
+""" + plan_note("qwen_image", "1328x1328") + """
 For reference, SGLang measured 34 of 60 resident blocks at 1.67x the speed of streaming all of them (RTX 5090).
 
 Files: `qwen_image_fp8_e4m3fn.safetensors` in models/diffusion_models, `qwen_2.5_vl_7b_fp8_scaled.safetensors` in
@@ -272,12 +266,10 @@ def hunyuan_video() -> Dict[str, Any]:
     g.connect(vid, 0, save, "video")
     _stats(g, (1240, 700), off, sca)
     _note(g, (-580, 0), HOW_TO + """
-### HunyuanVideo T2V 720p (bf16, 25.6 GB)
+### HunyuanVideo T2V 720p (bf16)
 
-60 blocks in call order: 20 double blocks (~0.68 GB each), then 40 single blocks (~0.28 GB each).
-Video activations are large, so a fixed count keeps fewer blocks resident: `resident_layers = 20` (the double
-blocks, ~13.6 GB) with `prefetch_size = 2` is a starting point for a 24 GB GPU at 848x480, 73 frames;
-16 GB: ~8. Lower `tile_size` in VAE Decode (Tiled) if decoding runs out of memory.
+""" + plan_note("hunyuan_video", "848x480, 73 frames with `prefetch_size = 2`") + """
+Lower `tile_size` in VAE Decode (Tiled) if decoding runs out of memory.
 
 Files: `hunyuan_video_t2v_720p_bf16.safetensors` in models/diffusion_models, `clip_l.safetensors` and
 `llava_llama3_fp8_scaled.safetensors` in models/text_encoders, `hunyuan_video_vae_bf16.safetensors` in models/vae.
@@ -313,50 +305,47 @@ def tiny_demo() -> Dict[str, Any]:
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, save, "images")
     _stats(g, (800, 420), off, ks)
-    _note(g, (-580, 0), """## Tiny demo: Layerwise Offload on a 19 MB random Wan 2.1
-
-Runs anywhere in a few seconds, on a GPU or with `--cpu` (set `LAYERWISE_OFFLOAD_CPU_LOOPBACK=1` to run the
-offload machinery on the CPU too; without it the node passes the model through on a CPU-only ComfyUI).
-`scripts/run.sh` writes the files this graph loads:
-
-- `layerwise_offload_tiny_wan21.safetensors` (models/diffusion_models): a Wan 2.1 T2V with 4 blocks, random weights;
-- `layerwise_offload_tiny_wan21_vae.safetensors` (models/vae): a random Wan 2.1 VAE at width 8;
-- `output/layerwise_offload_tiny_wan21_cond/`: one T5-shaped conditioning. A real Wan needs the 5.7B UMT5-XXL text
-  encoder, which has no tiny form in ComfyUI, so the core node *Load Training Dataset* loads a saved conditioning
-  instead, and *ConditioningZeroOut* makes the negative.
-
-The pictures are noise (random weights). The graph starts with `resident_layers = -1` (auto), which on a roomy
-card keeps all 4 blocks; set it to 2 (2 resident, 2 streamed), 0, or `residency_policy = strided` and run again.
-The *Layerwise Offload Stats* node then shows on itself what each run did. The saved latent
-(output/layerwise_offload/) is bitwise identical to the same graph without the offload node (bypass it with
-Ctrl+B and run again to compare).
-""", size=(540, 640))
+    _note(g, (-580, 0), _graph.TINY_DEMO_NOTE, size=(540, 700))
     return g.to_json()
 
 
-# File name -> builder. ComfyUI's template browser (frontends 1.32 and 1.39) shows a pack's template by its file
-# name, as title and (with - and _ as spaces) description, and its thumbnail from <name>.jpg beside it; so the
-# names are written for people. tests/e2e/test_browser.py makes the thumbnails.
-WORKFLOWS = {
-    "Tiny demo - random 4-block Wan 2.1, runs on CPU.json": tiny_demo,
-    "Flux.1 dev - text to image.json": flux1_dev,
-    "Wan 2.1 T2V 14B - text to video.json": wan21_t2v_14b,
-    "Wan 2.2 T2V A14B - text to video, two experts.json": wan22_t2v_a14b,
-    "Qwen-Image - text to image.json": qwen_image,
-    "HunyuanVideo T2V 720p - text to video.json": hunyuan_video,
-}
-
-
 def wan22_t2v_a14b_fp8() -> Dict[str, Any]:
-    return _sibling("workflow_variants").wan22_fp8(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_fp8"))
+    return _variants.wan22_fp8(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_fp8"),
+                               plan_note("wan22_t2v_a14b_fp8", "640x640, 81 frames"))
 
 
 def wan22_t2v_a14b_gguf() -> Dict[str, Any]:
-    return _sibling("workflow_variants").wan22_gguf(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_gguf"))
+    return _variants.wan22_gguf(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_gguf"),
+                                plan_note("wan22_t2v_a14b_gguf", "640x640, 81 frames"))
 
 
-WORKFLOWS["Wan 2.2 T2V A14B fp8 - text to video, two experts.json"] = wan22_t2v_a14b_fp8
-WORKFLOWS["Wan 2.2 T2V A14B GGUF - text to video, two experts.json"] = wan22_t2v_a14b_gguf
+_variants = _graph._sibling("workflow_variants")
+_cards, file_name, card_spec = _graph.cards, _graph.file_name, _graph.card_spec
+TINY_TITLE = "A tiny demo - random 4-block Wan 2.1, runs on any GPU or CPU"
+# (planner key, file title, card title, card subtitle, builder). ComfyUI's template browser (frontends 1.32 to
+# 1.58) shows a pack's template by its file name, as title and as description, in the order the server lists
+# the files, with <name>.jpg as its card picture; so the names say what each needs, and the tiny demo's name
+# sorts first.
+TEMPLATES = [
+    (None, TINY_TITLE, "A tiny demo", "random 4-block Wan 2.1, 19 MB", tiny_demo),
+    ("flux1_dev", "Flux.1 dev - text to image", "Flux.1 dev", "text to image, 1024x1024, bf16", flux1_dev),
+    ("wan21_t2v_14b", "Wan 2.1 T2V 14B - text to video", "Wan 2.1 T2V 14B", "text to video, 832x480x33, bf16",
+     wan21_t2v_14b),
+    ("wan22_t2v_a14b", "Wan 2.2 T2V A14B - text to video, two experts", "Wan 2.2 T2V A14B",
+     "two experts, 640x640x81, fp16", wan22_t2v_a14b),
+    ("wan22_t2v_a14b_fp8", "Wan 2.2 T2V A14B fp8 - text to video, two experts", "Wan 2.2 A14B fp8",
+     "two experts, 640x640x81, fp8 scaled", wan22_t2v_a14b_fp8),
+    ("wan22_t2v_a14b_gguf", "Wan 2.2 T2V A14B GGUF - text to video, two experts", "Wan 2.2 A14B GGUF",
+     "two experts, 640x640x81, Q4_K_M (ComfyUI-GGUF)", wan22_t2v_a14b_gguf),
+    ("qwen_image", "Qwen-Image - text to image", "Qwen-Image", "text to image, 1328x1328, fp8", qwen_image),
+    ("hunyuan_video", "HunyuanVideo T2V 720p - text to video", "HunyuanVideo T2V", "text to video, 848x480x73, bf16",
+     hunyuan_video),
+]
+
+
+#: File name -> builder.
+WORKFLOWS = {file_name(key, title): build for key, title, _, _, build in TEMPLATES}
+readme_with_table = _graph.readme_with_table
 
 
 def render(build) -> str:
@@ -370,19 +359,37 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    changed = []
-    for name, build in WORKFLOWS.items():
+    changed, wanted = [], set()
+    for key, title, card_title, subtitle, build in TEMPLATES:
+        name = file_name(key, title)
+        p, picture, spec = out / name, (out / name).with_suffix(".jpg"), card_spec(key, card_title, subtitle)
+        wanted |= {p.name, picture.name}
         text = render(build)
-        p = out / name
         if not p.is_file() or p.read_text(encoding="utf-8") != text:
-            changed.append(name)
+            changed.append(p.name)
             if not a.check:
                 p.write_text(text, encoding="utf-8")
+        if not _cards.card_is_current(picture, spec):
+            changed.append(picture.name)
+            if not a.check:
+                _cards.write_card(picture, spec)
+    stale = sorted(f.name for f in out.iterdir() if f.suffix in (".json", ".jpg") and f.name not in wanted)
+    README = _graph.README
+    readme = README.read_text(encoding="utf-8")
+    if out == WORKFLOW_DIR and readme_with_table(readme) != readme:
+        changed.append(README.name)
+        if not a.check:
+            README.write_text(readme_with_table(readme), encoding="utf-8")
     if a.check:
         for c in changed:
-            print(f"differs: {out / c}")
-        return 1 if changed else 0
-    print(f"wrote {len(WORKFLOWS)} workflows to {out} ({len(changed)} changed)")
+            print(f"differs: {c}")
+        for c in stale:
+            print(f"not a template any more: {out / c}")
+        return 1 if changed or stale else 0
+    for c in stale:
+        (out / c).unlink()
+    print(f"wrote {len(TEMPLATES)} workflows and their pictures to {out} ({len(changed)} changed, "
+          f"{len(stale)} stale removed)")
     return 0
 
 

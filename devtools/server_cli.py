@@ -34,7 +34,7 @@ def smoke(base_dir: Optional[PathLike] = None, workflow: Optional[PathLike] = No
     stop the server, and return ``{"url", "outputs", "seconds"}``. Raises on any failure (with the log tail)."""
     from .workflow_api import validate_workflow, workflow_to_prompt  # relative: run as a module or by path
 
-    workflow = Path(workflow) if workflow else next((repo_root() / "workflows").glob("Tiny demo*.json"))
+    workflow = Path(workflow) if workflow else next((repo_root() / "workflows").glob("A tiny demo*.json"))
     wf = json.loads(Path(workflow).read_text(encoding="utf-8"))
     srv = ComfyServer(base_dir, cpu=cpu, env={"LAYERWISE_OFFLOAD_CPU_LOOPBACK": "1"}, comfyui_path=comfyui_path)
     t0 = time.monotonic()

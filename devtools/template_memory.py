@@ -1,5 +1,7 @@
-"""Print the README's memory table: for each shipped template, the DiT's bytes, the system RAM it needs, and the
-resident count that ``resident_layers = -1`` (auto) picks on 8/12/16/24 GB cards.
+"""One planner run for every shipped template: the DiT's bytes, the system RAM it needs, and the resident count
+that ``resident_layers = -1`` (auto) picks on 8/12/16/24 GB cards. The README's memory table, each template's
+note and its card picture are all written from this run's file, ``devtools/template_plans.json``
+(devtools/make_workflows.py renders them; tests/e2e/test_workflows.py fails when any of them drifts).
 
 Block sizes come from ComfyUI's own model classes at their released size, built on the ``meta`` device (no
 memory, no files), in the dtype of the file each template loads. The choice is made by the planner the node uses
@@ -8,7 +10,8 @@ first step: free VRAM after the non-block weights, ComfyUI's reserve (``minimum_
 0.4 GiB on Linux), and the measured activation model for the template's latent (batch 2 when CFG runs cond and
 uncond).
 
-    .venv/bin/python -P devtools/template_memory.py            # Markdown table
+    .venv/bin/python -P devtools/template_memory.py            # Markdown table of a fresh run
+    .venv/bin/python -P devtools/template_memory.py --write    # ... and rewrite devtools/template_plans.json
     .venv/bin/python -P devtools/template_memory.py --cards 10,20
 
 Assumptions, printed under the table: the desktop and CUDA context take 0.5 GiB of the card; the text encoder
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,10 +37,13 @@ COMPUTE_BYTES = 2  # bf16 and fp8 checkpoints compute in 16 bits; the node sizes
 # QuantStack's Wan 2.2 A14B Q4_K_M files: about 9.84 GB for 14.3 B weights. K-quants mix 4- and 6-bit blocks and
 # keep 1-D tensors in float32, so the file's average stands in for every weight.
 GGUF_Q4_K_M_BYTES = 9.84e9 / 14.29e9
+CARDS = (8, 12, 16, 24)
+PLANS_FILE = Path(__file__).with_name("template_plans.json")
 
 
 @dataclass(frozen=True)
 class Template:
+    key: str  # the workflow's builder in devtools/make_workflows.py
     name: str
     comfy_config: str  # class in comfy.supported_models
     unet_config: Dict
@@ -45,6 +52,7 @@ class Template:
     cfg_batch: int  # 2 when CFG > 1 runs cond and uncond together
     experts: int  # diffusion models in the graph (Wan 2.2: high + low noise)
     other_files_gb: float  # text encoder(s) + VAE, published file sizes
+    prefetch: int = 1  # the template's prefetch_size (the slot ring holds prefetch + 1 blocks)
 
 
 def _templates(presets) -> List[Template]:
@@ -53,20 +61,20 @@ def _templates(presets) -> List[Template]:
                    mlp_ratio=4.0, num_heads=24, depth=20, depth_single_blocks=40, theta=256, qkv_bias=True,
                    byt5=False, guidance_embed=True)
     return [
-        Template("Flux.1 dev, 1024x1024", "Flux", {**presets.FLUX_DEV, "depth": 19, "depth_single_blocks": 38},
+        Template("flux1_dev", "Flux.1 dev, 1024x1024", "Flux", {**presets.FLUX_DEV, "depth": 19, "depth_single_blocks": 38},
                  2, (1, 16, 128, 128), 1, 1, 9.79 + 0.25 + 0.34),
-        Template("Wan 2.1 T2V 14B, 832x480x33", "WAN21_T2V", {**presets.WAN21_14B, "num_layers": 40},
+        Template("wan21_t2v_14b", "Wan 2.1 T2V 14B, 832x480x33", "WAN21_T2V", {**presets.WAN21_14B, "num_layers": 40},
                  2, (1, 16, 9, 60, 104), 2, 1, 6.74 + 0.25),
-        Template("Wan 2.2 T2V A14B, 640x640x81 (per expert)", "WAN21_T2V", {**presets.WAN21_14B, "num_layers": 40},
+        Template("wan22_t2v_a14b", "Wan 2.2 T2V A14B, 640x640x81 (per expert)", "WAN21_T2V", {**presets.WAN21_14B, "num_layers": 40},
                  2, (1, 16, 21, 80, 80), 2, 2, 6.74 + 0.25),
-        Template("Wan 2.2 T2V A14B fp8, 640x640x81 (per expert)", "WAN21_T2V",
+        Template("wan22_t2v_a14b_fp8", "Wan 2.2 T2V A14B fp8, 640x640x81 (per expert)", "WAN21_T2V",
                  {**presets.WAN21_14B, "num_layers": 40}, 1, (1, 16, 21, 80, 80), 2, 2, 6.74 + 0.25),
-        Template("Wan 2.2 T2V A14B GGUF Q4_K_M, 640x640x81 (per expert)", "WAN21_T2V",
+        Template("wan22_t2v_a14b_gguf", "Wan 2.2 T2V A14B GGUF Q4_K_M, 640x640x81 (per expert)", "WAN21_T2V",
                  {**presets.WAN21_14B, "num_layers": 40}, GGUF_Q4_K_M_BYTES, (1, 16, 21, 80, 80), 2, 2, 6.74 + 0.25),
-        Template("Qwen-Image (fp8), 1328x1328", "QwenImage", {**presets.QWEN_IMAGE, "num_layers": 60},
+        Template("qwen_image", "Qwen-Image (fp8), 1328x1328", "QwenImage", {**presets.QWEN_IMAGE, "num_layers": 60},
                  1, (1, 16, 1, 166, 166), 2, 1, 9.38 + 0.25),
-        Template("HunyuanVideo T2V, 848x480x73", "HunyuanVideo", hunyuan, 2, (1, 16, 19, 60, 106), 1, 1,
-                 9.09 + 0.25 + 0.49),
+        Template("hunyuan_video", "HunyuanVideo T2V, 848x480x73 (prefetch 2)", "HunyuanVideo", hunyuan, 2,
+                 (1, 16, 19, 60, 106), 1, 1, 9.09 + 0.25 + 0.49, prefetch=2),
     ]
 
 
@@ -122,7 +130,9 @@ def _build_on_meta(cfg_cls, unet_config):
     raise AssertionError(f"{cfg_cls.__name__}: no config this ComfyUI accepts")
 
 
-def rows(cards_gb: Sequence[int]):
+def plan_templates(cards_gb: Sequence[int] = CARDS) -> Dict:
+    """Run the planner for every template and card (imports ComfyUI, builds on meta): what template_plans.json
+    holds. ``resident`` per card is the count auto keeps, or None where even streaming every block does not fit."""
     _, planner, discovery, presets = _import()
     out = []
     for t in _templates(presets):
@@ -131,16 +141,52 @@ def rows(cards_gb: Sequence[int]):
         activations = planner.forward_activation_bytes(  # what the node computes from x
             model_class, hidden, _prod(latent[2:]), batch=latent[0], dtype_bytes=COMPUTE_BYTES,
             latent_channels=latent[1]).nbytes
-        picks = []
+        resident = []
         for card in cards_gb:
             free = card * GiB - CONTEXT_AND_DESKTOP - non_block
             plan = planner.plan_residency(blocks, max(free, 0), reserve_bytes=COMFY_RESERVE,
-                                          activation_bytes=activations)
-            picks.append(f"{plan.resident_count}" if plan.fits else "0*")
+                                          activation_bytes=activations, prefetch_size=t.prefetch)
+            resident.append(plan.resident_count if plan.fits else None)
         dit_bytes = (sum(blocks) + non_block) * t.experts
-        ram = dit_bytes + t.other_files_gb * GB + PROCESS_RAM
-        out.append((t, len(blocks), sum(blocks) / len(blocks), dit_bytes, ram, activations, picks))
-    return out
+        out.append({"key": t.key, "name": t.name, "block_bytes": blocks, "non_block_bytes": non_block,
+                    "experts": t.experts, "prefetch": t.prefetch, "dit_bytes": dit_bytes,
+                    "ram_bytes": int(dit_bytes + t.other_files_gb * GB + PROCESS_RAM),
+                    "activation_bytes": activations, "resident": resident})
+    return {"cards_gib": list(cards_gb), "context_and_desktop_bytes": CONTEXT_AND_DESKTOP,
+            "comfy_reserve_bytes": COMFY_RESERVE, "process_ram_bytes": PROCESS_RAM, "templates": out}
+
+
+def load_plans(path: Path = PLANS_FILE) -> Dict:
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def dump_plans(plans: Dict) -> str:
+    # One template per line: a diff shows which template's plan changed.
+    head = json.dumps({k: v for k, v in plans.items() if k != "templates"})
+    return head[:-1] + ', "templates": [\n' + ",\n".join(json.dumps(t) for t in plans["templates"]) + "\n]}\n"
+
+
+def plan_for(plans: Dict, key: str) -> Dict:
+    return next(t for t in plans["templates"] if t["key"] == key)
+
+
+def picks(plans: Dict, t: Dict) -> List[str]:
+    return ["0*" if r is None else str(r) for r in t["resident"]]
+
+
+def markdown_table(plans: Dict) -> List[str]:
+    """The README's table (pure: reads a plans dict, imports nothing)."""
+    cards = plans["cards_gib"]
+    lines = ["| template | blocks (avg size) | DiT in RAM | RAM needed | activations | "
+             + " | ".join(f"-1 on {c} GB" for c in cards) + " |",
+             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in cards) + " |"]
+    for t in plans["templates"]:
+        n = len(t["block_bytes"])
+        avg = sum(t["block_bytes"]) / n
+        lines.append(f"| {t['name']} | {n} ({avg / GB:.2f} GB) | {t['dit_bytes'] / GB:.1f} GB | "
+                     f"{t['ram_bytes'] / GB:.0f} GB | {t['activation_bytes'] / GB:.1f} GB | "
+                     + " | ".join(picks(plans, t)) + " |")
+    return lines
 
 
 def _prod(xs) -> int:
@@ -152,16 +198,18 @@ def _prod(xs) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cards", default="8,12,16,24", help="card sizes in GB (GiB of VRAM), comma separated")
+    ap.add_argument("--cards", default=",".join(map(str, CARDS)),
+                    help="card sizes in GB (GiB of VRAM), comma separated")
+    ap.add_argument("--write", action="store_true", help=f"rewrite {PLANS_FILE.name} (the default cards only)")
     a = ap.parse_args(argv)
     cards = [int(c) for c in a.cards.split(",")]
-    table = rows(cards)
-    print("| template | blocks (avg size) | DiT in RAM | RAM needed | activations | "
-          + " | ".join(f"-1 on {c} GB" for c in cards) + " |")
-    print("| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in cards) + " |")
-    for t, n, avg, dit, ram, act, picks in table:
-        print(f"| {t.name} | {n} ({avg / GB:.2f} GB) | {dit / GB:.1f} GB | {ram / GB:.0f} GB | {act / GB:.1f} GB | "
-              + " | ".join(picks) + " |")
+    plans = plan_templates(cards)
+    if a.write:
+        if tuple(cards) != CARDS:
+            ap.error(f"--write keeps the cards the README and notes use ({CARDS})")
+        PLANS_FILE.write_text(dump_plans(plans), encoding="utf-8")
+        print(f"wrote {PLANS_FILE}; now run devtools/make_workflows.py (notes, pictures, README table)")
+    print("\n".join(markdown_table(plans)))
     print(f"\nCards: N GiB total, {CONTEXT_AND_DESKTOP / GiB:.1f} GiB for the desktop and CUDA context, the non-block "
           f"weights, ComfyUI's reserve ({COMFY_RESERVE / GiB:.1f} GiB) and the activation estimate come off first. "
           f"RAM needed: the DiT(s) + text encoder + VAE files + ~{PROCESS_RAM / GB:.0f} GB for ComfyUI itself. "

@@ -4,6 +4,7 @@ devtools/make_workflows.py builds the templates from these. Pure Python: needs n
 
 from __future__ import annotations
 
+import importlib.util
 import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -212,27 +213,91 @@ def _wid(name: str) -> str:
     return str(uuid.uuid5(uuid.NAMESPACE_URL, "https://github.com/layerwise-offload/" + name))
 
 
-HOW_TO = """## Layerwise Offload: choosing `resident_layers`
+HOW_TO = """## Layerwise Offload: how many blocks stay in VRAM
 
-The **Layerwise Offload (DiT)** node keeps the first `resident_layers` transformer blocks of the model on the GPU
-and streams every other block from pinned CPU memory while sampling, `prefetch_size` blocks ahead of the one that
-runs. Each resident block no longer crosses PCIe at every step, so **more resident blocks = faster, fewer = less
-VRAM**.
+The **Layerwise Offload (DiT)** node keeps the first `resident_layers` transformer blocks on the GPU and streams
+the others from system RAM while sampling, `prefetch_size` blocks ahead. More resident blocks = faster (fewer
+bytes cross PCIe at each step); fewer = less VRAM.
 
-1. Start from the VRAM that is free while sampling: total VRAM, minus what the desktop/other apps hold, minus the
-   sampling activations (they grow with resolution and frame count), minus a safety margin of 1-2 GB.
-2. Subtract the streaming window: `prefetch_size + 1` blocks.
-3. Divide the rest by the block size below: that is `resident_layers`.
-4. Out of memory? Lower `resident_layers` by a few (or lower the resolution). VRAM left over? Raise it.
+This workflow starts with `-1` (auto): at the first step of each run the node keeps as many blocks as fit in the
+VRAM free then, after room for the activations of this resolution. The counts below are what auto picks on each
+card size for this workflow (the node's own planner; README, "Which card needs what"): set one as a fixed
+`resident_layers` to start from, lower it by a few if sampling runs out of memory, raise it if VRAM is left.
+`0` streams every block; a count at or above the number of blocks keeps the whole model resident.
 
-This workflow starts with `-1` (auto): it keeps as many blocks as fit in the VRAM that is free at the first step
-of each run, after room for activations. The numbers below are fixed counts to start from instead. `0` streams every block (least VRAM, slowest). A value at or above the block
-count keeps the whole model resident (like no offload). After a run, the **Layerwise Offload Stats** node shows
-the blocks resident and streamed, the bytes copied per step, how long sampling waited for copies, the peak VRAM
-and what to change. `residency_policy = strided` spreads the streamed blocks evenly over the step instead
-of keeping the leading ones, which can smooth PCIe traffic. `pin_memory` (on) makes copies faster and
+After a run, the **Layerwise Offload Stats** node shows which blocks were resident and which streamed, the VRAM
+and RAM used, and how the copy time compares with the compute time. `pin_memory` (on) makes copies fast and
 asynchronous; turn it off only if the system runs short of RAM.
 """
+
+
+def _sibling(name: str):
+    """A module beside this one, loaded by path (scripts run with ``-P``), registered before it runs (dataclasses
+    look their module up in sys.modules) and loaded once."""
+    import sys
+
+    key = f"_lwo_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, Path(__file__).with_name(f"{name}.py"))
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+#: The planner run every note, card picture and the README table are written from (devtools/template_memory.py).
+memory = _sibling("template_memory")
+PLANS = memory.load_plans()
+cards = _sibling("template_cards")
+GB = 10**9
+
+
+def _blocks_text(t: Dict[str, Any]) -> str:
+    groups: List[List[Any]] = []  # [count, GB] of consecutive blocks of one size
+    for b in t["block_bytes"]:
+        size = round(b / GB, 2)
+        if groups and groups[-1][1] == size:
+            groups[-1][0] += 1
+        else:
+            groups.append([1, size])
+    if len(groups) == 1:
+        return f"{groups[0][0]} blocks of {groups[0][1]:.2f} GB"
+    return f"{len(t['block_bytes'])} blocks in call order: " + ", then ".join(f"{n} of {s:.2f} GB" for n, s in groups)
+
+
+def plan_note(key: str, setting: str) -> str:
+    """The note's block sizes, per-card counts and RAM for the template ``key``, from :data:`PLANS`."""
+    t = memory.plan_for(PLANS, key)
+    per = " per expert" if t["experts"] > 1 else ""
+    counts = ", ".join(f"{c} GB: {'0*' if r is None else r}" for c, r in zip(PLANS["cards_gib"], t["resident"]))
+    text = (f"{_blocks_text(t)}{per}. **Auto keeps resident at {setting}**{per}: {counts} "
+            f"(of {len(t['block_bytes'])}). More pixels or frames need more activation memory, so fewer blocks.")
+    if None in t["resident"]:
+        text += (" 0*: even with every block streamed the activations do not fit that card; auto streams "
+                 "everything, and fewer frames or a lower resolution is the fix if it runs out of memory.")
+    both = " (both experts)" if t["experts"] > 1 else ""
+    return text + (f"\n\nSystem RAM needed: about {t['ram_bytes'] / GB:.0f} GB: the diffusion model{both} "
+                   f"{t['dit_bytes'] / GB:.1f} GB, plus the text encoder, the VAE and ComfyUI.")
+
+
+def min_card(key: str) -> int:
+    t = memory.plan_for(PLANS, key)
+    return next(c for c, r in zip(PLANS["cards_gib"], t["resident"]) if r is not None)
+
+
+def file_name(key: Optional[str], title: str) -> str:
+    """A template's file name, which the template browser shows as its title and description: what it is, the
+    RAM it needs and the smallest card auto plans for (the tiny demo, ``key`` None: its title)."""
+    if key is None:
+        return f"{title}.json"
+    t = memory.plan_for(PLANS, key)
+    return f"{title}, {t['ram_bytes'] / GB:.0f} GB RAM, {min_card(key)}+ GB GPU.json"
+
+
+def card_spec(key: Optional[str], card_title: str, subtitle: str) -> Dict[str, Any]:
+    """What the template's card picture shows (devtools/template_cards.py)."""
+    if key is None:
+        return cards.demo_spec(card_title, subtitle, 4, "python demo/install_tiny_demo.py")
+    return cards.model_spec(card_title, subtitle, PLANS, memory.plan_for(PLANS, key))
 
 
 def _note(g: Graph, pos, text: str, size=(520, 560)) -> None:
@@ -253,3 +318,37 @@ def _stats(g: Graph, pos, offload: Dict[str, Any], sampler: Dict[str, Any], titl
     st = g.add(STATS_ID, pos, [], size=(420, 220), title=title, color=OFFLOAD_COLOR)
     g.connect(offload, 0, st, "model")
     g.connect(sampler, 0, st, "after")
+
+
+TINY_DEMO_NOTE = """## A tiny demo: Layerwise Offload on a 19 MB random Wan 2.1
+
+**First, once:** in a terminal, from this pack's folder, with the Python that runs your ComfyUI:
+
+    cd ComfyUI/custom_nodes/layerwise-offload
+    python demo/install_tiny_demo.py
+
+It writes the three files this graph loads into that ComfyUI (no restart needed):
+`layerwise_offload_tiny_wan21.safetensors` (models/diffusion_models: a Wan 2.1 T2V with 4 blocks, random
+weights), `layerwise_offload_tiny_wan21_vae.safetensors` (models/vae) and `output/layerwise_offload_tiny_wan21_cond/`
+(one saved conditioning: a real Wan needs the 5.7B UMT5-XXL text encoder, so the core node *Load Training
+Dataset* loads a saved one instead, and *ConditioningZeroOut* makes the negative).
+
+Then press Run. It takes seconds on any NVIDIA GPU; elsewhere (CPU, Apple, Intel) the node passes the model
+through unchanged and the Stats node says so. The pictures are noise (random weights). Auto (`-1`) keeps all
+4 blocks on a roomy card: set `resident_layers` to 2 (2 resident, 2 streamed), 0, or `residency_policy =
+strided` and run again; the *Layerwise Offload Stats* node shows what each run did. The saved latent
+(output/layerwise_offload/) is bitwise the same as the graph without the offload node (bypass it with Ctrl+B
+and run again to compare).
+"""
+
+README = REPO / "README.md"
+TABLE_BEGIN, TABLE_END = "<!-- devtools/make_workflows.py: memory table -->", "<!-- end of memory table -->"
+
+
+def readme_with_table(text: str) -> str:
+    """``text`` (the README) with the memory table between its markers written from :data:`PLANS`."""
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        raise ValueError(f"README.md lacks the markers {TABLE_BEGIN} ... {TABLE_END}")
+    head, rest = text.split(TABLE_BEGIN, 1)
+    _, tail = rest.split(TABLE_END, 1)
+    return f"{head}{TABLE_BEGIN}\n" + "\n".join(memory.markdown_table(PLANS)) + f"\n{TABLE_END}{tail}"

@@ -32,7 +32,7 @@ def _replace_model_note(wf: Dict[str, Any], text: str) -> None:
     raise ValueError("no Wan 2.2 note in the workflow")
 
 
-def wan22_fp8(wf: Dict[str, Any], workflow_id: str) -> Dict[str, Any]:
+def wan22_fp8(wf: Dict[str, Any], workflow_id: str, plan_text: str) -> Dict[str, Any]:
     """The Wan 2.2 template with ComfyUI's own fp8 files: half the bytes per streamed block (README, Quantized
     models), so twice the resident blocks in the same VRAM."""
     wf["id"] = workflow_id
@@ -42,11 +42,12 @@ def wan22_fp8(wf: Dict[str, Any], workflow_id: str) -> Dict[str, Any]:
             values[0] = values[0].replace("_fp16.", "_fp8_scaled.")
             for model in node["properties"].get("models", []):  # same Comfy-Org repackaged folder
                 model["name"], model["url"] = (model[k].replace("_fp16.", "_fp8_scaled.") for k in ("name", "url"))
-    _replace_model_note(wf, """### Wan 2.2 T2V A14B, fp8 (two experts, ~14.3 GB each)
+    _replace_model_note(wf, """### Wan 2.2 T2V A14B, fp8 (two experts)
 
-ComfyUI's fp8 "scaled" files: each of the 40 blocks of an expert is ~0.35 GB (half the fp16 size), and the
-offload streams it at that size, so auto mode keeps about twice as many blocks resident as with fp16. Fixed
-counts for 640x640, 81 frames: `resident_layers = 30` (~10.5 GB) per expert on a 24 GB GPU; 16 GB: ~18; 12 GB: ~8.
+ComfyUI's fp8 "scaled" files: each block is half its fp16 size, and the offload streams it at that size, so
+auto keeps about twice as many blocks resident as with fp16.
+
+""" + plan_text + """
 
 Files: `wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors` and `wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors` in
 models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text_encoders,
@@ -55,7 +56,7 @@ models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text
     return wf
 
 
-def wan22_gguf(wf: Dict[str, Any], workflow_id: str) -> Dict[str, Any]:
+def wan22_gguf(wf: Dict[str, Any], workflow_id: str, plan_text: str) -> Dict[str, Any]:
     """The Wan 2.2 template with ComfyUI-GGUF's *Unet Loader (GGUF)* in place of each *Load Diffusion Model*.
 
     The loaders carry no download URL: the frontend's missing-models dialog downloads only .safetensors files,
@@ -68,17 +69,17 @@ def wan22_gguf(wf: Dict[str, Any], workflow_id: str) -> Dict[str, Any]:
         node.update(type=GGUF_LOADER, widgets_values=[WAN22_GGUF_FILES[expert]], size=[340.0, 58.0],
                     title=f"Unet Loader (GGUF): {expert.replace('_', ' ')} expert",
                     properties={"Node name for S&R": GGUF_LOADER, **GGUF_PACK})
-    _replace_model_note(wf, f"""### Wan 2.2 T2V A14B, GGUF Q4_K_M (two experts, ~9.7 GB each)
+    _replace_model_note(wf, f"""### Wan 2.2 T2V A14B, GGUF Q4_K_M (two experts)
 
 **Needs city96's ComfyUI-GGUF** custom nodes (the *Unet Loader (GGUF)* nodes): install "ComfyUI-GGUF" from
 ComfyUI Manager, or `git clone https://github.com/city96/ComfyUI-GGUF` into ComfyUI/custom_nodes and
 `pip install gguf` with ComfyUI's Python, then restart ComfyUI. Without it the two loaders show as missing nodes.
 
-Each of the 40 blocks of an expert is ~0.24 GB in Q4_K_M, a third of the fp16 size, and the offload streams
-it at that size (ComfyUI-GGUF dequantizes it on the GPU as it runs), so auto mode keeps about three times as many
-blocks resident as with fp16. Fixed counts for 640x640, 81 frames: `resident_layers = 40` (every block, ~9.6 GB)
-per expert on a 24 GB GPU; 16 GB: ~26; 12 GB: ~11. Other quantizations of the same repository (Q8_0, Q5_K_M,
-...) work the same way: pick them in the loaders.
+In Q4_K_M a block is about a third of its fp16 size, and the offload streams it at that size (ComfyUI-GGUF
+dequantizes it on the GPU as it runs), so auto keeps about three times as many blocks resident as with fp16.
+Other quantizations of the same repository (Q8_0, Q5_K_M, ...) work the same way: pick them in the loaders.
+
+{plan_text}
 
 Files: `{WAN22_GGUF_FILES["high_noise"]}` (folder HighNoise) and `{WAN22_GGUF_FILES["low_noise"]}`
 (folder LowNoise) from {WAN22_GGUF_REPO} in **models/unet** or models/diffusion_models (ComfyUI-GGUF lists

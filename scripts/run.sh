@@ -154,7 +154,7 @@ cat <<EOF
 [layerwise-offload] ComfyUI $(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$COMFY_DIR/comfyui_version.py") with layerwise-offload on $DEVICE_WORDS
 [layerwise-offload] Open  http://$URL_HOST:$PORT  (ready when the log below says "To see the GUI go to")
 [layerwise-offload] Then: click "Templates" in the left sidebar (same as the menu's "Browse Templates"), pick
-[layerwise-offload]       EXTENSIONS > layerwise-offload > "Tiny demo - random 4-block Wan 2.1, runs on CPU", and
+[layerwise-offload]       EXTENSIONS > layerwise-offload > "A tiny demo - random 4-block Wan 2.1, ...", and
 [layerwise-offload]       press Run. A 4-block random Wan 2.1 samples through Layerwise Offload (DiT); the Stats node
 [layerwise-offload]       shows the run on itself, and the latent and 5 noise frames land in
 [layerwise-offload]       $BASE/output/layerwise_offload/

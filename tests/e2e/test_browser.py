@@ -25,7 +25,7 @@ from layerwise_offload.devtools.peers import PEER_NODES
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "artifacts"
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
-TINY = next((REPO / "workflows").glob("Tiny demo*.json"))
+TINY = next((REPO / "workflows").glob("A tiny demo*.json"))
 CHROMIUM = os.environ.get("LAYERWISE_OFFLOAD_CHROMIUM", "/usr/bin/chromium")
 # What the machine notes prescribe for Chromium here (root, no GPU, closed network).
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -33,7 +33,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
 NODE = "LayerwiseOffload"
 DISPLAY = "Layerwise Offload (DiT)"
 PACK_FOLDER = "layerwise-offload"
-# Rewrite the committed pictures (template thumbnails, docs/) from this run.
+# Rewrite the committed pictures in docs/ from this run.
 UPDATE_PICTURES = os.environ.get("LAYERWISE_OFFLOAD_UPDATE_PICTURES") == "1"
 # The canvas below the frontend's top bars, right of its sidebar (viewport 1600x1000).
 THUMBNAIL_CLIP = {"x": 60, "y": 130, "width": 1120, "height": 840}
@@ -49,8 +49,8 @@ def _shot(page, name: str) -> None:
 
 
 def _thumbnail(page, workflow: Path) -> Path:
-    """The loaded graph as the template browser's thumbnail (<name>.jpg, 4:3). It goes to artifacts/thumbnails/;
-    with LAYERWISE_OFFLOAD_UPDATE_PICTURES=1 also beside the workflow, where ComfyUI serves it."""
+    """The loaded graph at thumbnail size (4:3), to artifacts/thumbnails/. The served card pictures beside the
+    workflows are drawn by devtools/make_workflows.py (block map and RAM), not taken from here."""
     from PIL import Image
 
     out = ARTIFACTS / "thumbnails" / f"{workflow.stem}.jpg"
@@ -63,8 +63,6 @@ def _thumbnail(page, workflow: Path) -> Path:
     with Image.open(out.with_suffix(".png")) as im:
         im.convert("RGB").resize((480, 360), Image.LANCZOS).save(out, quality=82, optimize=True)
     out.with_suffix(".png").unlink()
-    if UPDATE_PICTURES:
-        shutil.copyfile(out, workflow.with_suffix(".jpg"))
     return out
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from layerwise_offload.devtools.server import PACK_FOLDER, default_comfyui_path, default_python
+from layerwise_offload.devtools.server import ComfyServer, PACK_FOLDER, default_comfyui_path, default_python
+from layerwise_offload.devtools.workflow_api import workflow_to_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 NODE = "LayerwiseOffload"
@@ -91,6 +92,51 @@ def test_comfyui_parses_the_pyproject(comfy):
     assert cfg.tool_comfy.publisher_id and cfg.tool_comfy.display_name == "Layerwise Offload"
     assert cfg.project.supported_comfyui_version == ">=0.3.75"
     assert cfg.project.urls.repository.startswith("https://")
+
+
+# ------------------------------------------------------------------------------------------------ what the Registry gets
+# `comfy node pack` / `publish` (comfy-cli) zip the git-tracked files minus the gitwildmatch patterns of
+# .comfyignore; git's own matcher applies the same patterns to `git ls-files`.
+
+def _git(*args: str) -> list:
+    r = subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return [line for line in r.stdout.splitlines() if line]
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: no tracked files to pack")
+    ignored = set(_git("ls-files", "-c", "-i", "--exclude-from=.comfyignore"))
+    return sorted(set(_git("ls-files")) - ignored)
+
+
+def test_pack_ships_the_node_templates_and_demo_not_the_development_tree(shipped):
+    tops = {p.split("/")[0] for p in shipped}
+    assert not tops & {"tests", "bench", "devtools", "scripts", ".ci"}, sorted(tops)
+    for need in ("__init__.py", "pyproject.toml", "requirements.txt", "LICENSE", "README.md",
+                 "demo/install_tiny_demo.py", "demo/tiny_demo_tensors.json"):
+        assert need in shipped, need
+    for folder in ("nodes", "offload", "web", "workflows"):
+        tracked = [p for p in _git("ls-files", folder)]
+        assert tracked and set(tracked) <= set(shipped), folder
+    assert any(p.endswith(".jpg") for p in shipped if p.startswith("workflows/"))
+
+
+def test_shipped_code_needs_nothing_left_out(shipped):
+    left_out = re.compile(r"^\s*(?:from|import)\s+[\w.]*?\b(devtools|bench|tests|scripts)\b", re.M)
+    for rel in shipped:
+        if rel.endswith(".py"):
+            hit = left_out.search((REPO / rel).read_text(encoding="utf-8"))
+            assert hit is None, f"{rel} imports {hit.group(1)}/, which the pack leaves out"
+
+
+def test_readme_links_point_at_shipped_files(shipped):
+    text = (REPO / "README.md").read_text(encoding="utf-8")
+    links = {m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in m and m[0] != "#"}
+    assert links, "no local links found"
+    assert links <= set(shipped), sorted(links - set(shipped))
 
 
 # ------------------------------------------------------------------------------------------------ Manager install
@@ -173,6 +219,47 @@ def test_the_test_suite_runs_in_a_clone_named_like_the_repository(manager_instal
                        cwd=str(dest), env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
     assert "2 passed" in r.stdout, r.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------------------ the tiny demo
+# A user's own ComfyUI: the pack cloned into its custom_nodes as the README says, the one documented step
+# (demo/install_tiny_demo.py, run from the pack folder with ComfyUI's Python), and the template then runs through
+# the real server, which was started before the step (no restart).
+
+def _fresh_comfyui(dest: Path) -> Path:
+    """A copy of the session's ComfyUI as a fresh install has it: code and empty model folders, nothing run."""
+    src = default_comfyui_path()
+    shutil.copytree(src, dest, ignore=lambda d, names: [n for n in names if n == "__pycache__" or (
+        Path(d) == src and n in ("user", "output", "temp", "custom_nodes", "models"))])
+    for sub in ("user", "custom_nodes", "models/diffusion_models", "models/vae", "models/text_encoders"):
+        (dest / sub).mkdir(parents=True, exist_ok=True)
+    return dest
+
+
+def test_tiny_demo_runs_in_a_users_comfyui_after_the_one_step(tmp_path):
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout: nothing to clone")
+    comfy = _fresh_comfyui(tmp_path / "ComfyUI")
+    pack = comfy / "custom_nodes" / PACK_FOLDER
+    r = subprocess.run(["git", "clone", "--quiet", str(REPO), str(pack)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    demo = next(p for p in (pack / "workflows").glob("*.json") if "tiny demo" in p.stem.lower())
+    note = next(n for n in json.loads(demo.read_text(encoding="utf-8"))["nodes"] if n["type"] == "MarkdownNote")
+    assert "python demo/install_tiny_demo.py" in note["widgets_values"][0], "the template names the step"
+    assert "python demo/install_tiny_demo.py" in (REPO / "README.md").read_text(encoding="utf-8")
+    with ComfyServer(None, comfyui_path=comfy, cpu=True, env={"LAYERWISE_OFFLOAD_CPU_LOOPBACK": "1"},
+                     extra_args=["--disable-api-nodes"]) as srv:
+        info = srv.object_info()
+        assert "LayerwiseOffload" in info
+        r = subprocess.run([default_python(), "demo/install_tiny_demo.py"], cwd=str(pack), capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert str(comfy / "models" / "diffusion_models") in r.stdout, r.stdout
+        entry = srv.run_prompt(workflow_to_prompt(json.loads(demo.read_text(encoding="utf-8")), info),
+                               timeout=300)
+        images = srv.output_files(entry, "images")
+        assert images and all(Path(p).is_relative_to(comfy / "output") for p in images), images
+        assert "[layerwise-offload] run:" in srv.log_text(), srv.log_tail()
 
 
 # ------------------------------------------------------------------------------------------------ scripts/run.sh

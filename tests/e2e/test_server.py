@@ -25,7 +25,7 @@ from layerwise_offload.devtools.workflow_api import workflow_to_prompt
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO / "workflows"
-TINY_WORKFLOW = next(WORKFLOWS.glob("Tiny demo*.json"))
+TINY_WORKFLOW = next(WORKFLOWS.glob("A tiny demo*.json"))
 NODE = "LayerwiseOffload"
 SEED = 42
 

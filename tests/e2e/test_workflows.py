@@ -31,7 +31,7 @@ EXPECTED = {
     "Wan 2.2 T2V A14B": ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "wan2.2_t2v_low_noise_14B_fp16.safetensors"],
     "Qwen-Image": ["qwen_image_fp8_e4m3fn.safetensors"],
     "HunyuanVideo": ["hunyuan_video_t2v_720p_bf16.safetensors"],
-    "Tiny demo": ["layerwise_offload_tiny_wan21.safetensors"],
+    "A tiny demo": ["layerwise_offload_tiny_wan21.safetensors"],
 }
 
 
@@ -51,7 +51,7 @@ def test_workflow_is_valid_for_this_comfyui(path, object_info, missing_peers):
     needs = {PEER_NODES[n["type"]][0] for n in wf["nodes"] if n["type"] in PEER_NODES}
     if needs & set(missing_peers):
         pytest.skip("; ".join(missing_peers[folder] for folder in sorted(needs & set(missing_peers))))
-    tiny = path.stem.startswith("Tiny demo")
+    tiny = path.stem.startswith("A tiny demo")
     problems = validate_workflow(wf, object_info, check_files=tiny)
     assert not problems, "\n".join(problems)
     # The frontend would produce a prompt the server accepts (checked for real on the tiny one in test_server).
@@ -142,12 +142,58 @@ def test_template_has_its_thumbnail_served(path, comfy_server):
     assert status == 200 and body == data
 
 
-def test_readme_memory_table_is_what_the_planner_prints(capsys):
-    # README's "Memory per template" table is devtools/template_memory.py's output: regenerate it when either the
-    # planner or the templates change.
+# ------------------------------------------------------------------------------------------------ one set of numbers
+# devtools/template_plans.json is one planner run; the README table, every template's note, file name and card
+# picture are written from it by devtools/make_workflows.py.
+
+def test_plans_file_is_a_fresh_planner_run():
     from layerwise_offload.devtools import template_memory
 
-    template_memory.main([])
-    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert len(table) > 2 and all(line in readme for line in table), "\n".join(table)
+    fresh = template_memory.plan_templates()
+    assert fresh == template_memory.load_plans(), (
+        "the planner or a template changed: python -P devtools/template_memory.py --write, then "
+        "python -P devtools/make_workflows.py")
+
+
+def test_workflows_notes_pictures_and_readme_are_written_from_the_plans(capsys):
+    from layerwise_offload.devtools import make_workflows
+
+    assert make_workflows.main(["--check"]) == 0, capsys.readouterr().out + \
+        "\nrun: python -P devtools/make_workflows.py"
+
+
+def _readme_rows():
+    rows = {}
+    for line in (REPO / "README.md").read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 9 and cells[0] != "template" and cells[0] != "---":
+            rows[cells[0]] = cells
+    return rows
+
+
+def test_every_note_and_readme_row_give_the_same_counts():
+    from layerwise_offload.devtools import make_workflows, template_memory
+
+    plans = template_memory.load_plans()
+    files = {key: make_workflows.file_name(key, title) for key, title, *_ in make_workflows.TEMPLATES if key}
+    rows = _readme_rows()
+    notes = {}
+    for path in FILES:
+        for n in _load(path)["nodes"]:
+            if n["type"] == "MarkdownNote":
+                notes[path.stem] = n["widgets_values"][0]
+    assert len(plans["templates"]) == len(FILES) - 1 == len(rows), (sorted(rows), [p.stem for p in FILES])
+    for t in plans["templates"]:
+        counts = ["0*" if r is None else str(r) for r in t["resident"]]
+        assert rows[t["name"]][5:] == counts, (t["name"], rows[t["name"]])
+        assert f"{t['ram_bytes'] / 1e9:.0f} GB" == rows[t["name"]][3]
+        note = notes[Path(files[t["key"]]).stem]
+        for card, count in zip(plans["cards_gib"], counts):
+            assert f"{card} GB: {count}" in note, (t["key"], card, count)
+
+
+def test_the_tiny_demo_sorts_first():
+    # The server lists a pack's templates in the order its file system gives them; sorted (Windows, macOS, the
+    # frontend's A-Z) the tiny demo comes first.
+    assert sorted(FILES, key=lambda p: p.stem.lower())[0].stem.startswith("A tiny demo")
+    assert sorted(FILES)[0].stem.startswith("A tiny demo")
