@@ -187,9 +187,13 @@ def fresh_model(family: str, seed: int):
                                           offload_device=pristine.offload_device)
 
 
-def compare(node: CoreNode, variant: Variant, family: str) -> Iterator[Tuple[str, Optional[int], str]]:
-    """``(placement, resident count, result)`` for one variant; result "bitwise", what differed, or (placement
-    "reference") why the variant does not apply to ``family``: it fails without the offload node too."""
+ALL_RUNS = tuple((placement, resident) for resident in RESIDENT_COUNTS for placement in ("before", "after"))
+
+
+def compare(node: CoreNode, variant: Variant, family: str, runs=ALL_RUNS) -> Iterator[Tuple[str, Optional[int], str]]:
+    """``(placement, resident count, result)`` for one variant, for each ``(placement, resident count)`` of
+    ``runs``; result "bitwise", what differed, or (placement "reference") why the variant does not apply to
+    ``family``: it fails without the offload node too."""
     import torch
     from ..nodes.offload_node import offload_model
     from . import tiny_dits
@@ -212,21 +216,23 @@ def compare(node: CoreNode, variant: Variant, family: str) -> Iterator[Tuple[str
         yield "reference", None, f"not applicable: fails without the offload node too: {type(error).__name__}: " \
                                  f"{str(error)[:120]}"
         return
-    for resident in RESIDENT_COUNTS:
-        for placement in ("before", "after"):
-            try:
-                inputs = models()
-                if placement == "before":
-                    patched = offload_model(_apply(variant, node.cls, node.model_inputs, inputs), resident)
-                else:
-                    patched = _apply(variant, node.cls, node.model_inputs, [offload_model(inputs[0], resident)] + inputs[1:])
-                out = sample(patched)
-            except Exception as error:
-                yield placement, resident, f"FAILED: {type(error).__name__}: {error}"
-                continue
-            same = out.shape == reference.shape and torch.equal(out, reference)
-            diff = "" if same or out.shape != reference.shape else f" (max abs {(out - reference).abs().max().item():.3g})"
-            yield placement, resident, "bitwise" if same else f"DIFFERS{diff}"
+    for placement, resident in runs:
+        try:
+            inputs = models()
+            if placement == "before":
+                patched = offload_model(_apply(variant, node.cls, node.model_inputs, inputs), resident)
+            else:
+                offloaded = [offload_model(inputs[0], resident)] + inputs[1:]
+                patched = _apply(variant, node.cls, node.model_inputs, offloaded)
+            out = sample(patched)
+        except Exception as error:
+            yield placement, resident, f"FAILED: {type(error).__name__}: {error}"
+            continue
+        same = out.shape == reference.shape and torch.equal(out, reference)
+        if same or out.shape != reference.shape:
+            yield placement, resident, "bitwise" if same else f"DIFFERS (shape {tuple(out.shape)})"
+        else:
+            yield placement, resident, f"DIFFERS (max abs {(out - reference).abs().max().item():.3g})"
 
 
 def main(argv=None) -> int:
