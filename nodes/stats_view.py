@@ -65,7 +65,7 @@ def _picture(report, controller) -> dict:
     return {
         "blocks": report.block_tiers or "R" * report.resident_blocks + "S" * report.streamed_blocks,
         "tiers": TIER_WORDS,
-        "vram": {"label": "RAM as VRAM (CPU loopback)" if loopback else "VRAM",
+        "vram": {"label": "VRAM (RAM here)" if loopback else "VRAM",
                  "blocks": report.peak_device_bytes, "other": report.other_device_bytes, "total": card,
                  "text": f"{format_bytes(report.device_memory_bytes)}"
                          + (f" of {format_bytes(card)}" if card else "")},
@@ -98,12 +98,15 @@ def stats_view(model, after_connected: bool = True) -> Tuple[str, dict]:
                 "Layerwise Offload node's MODEL.")
         return line, {"state": "no_run", "title": "no run yet", "after_connected": bool(after_connected),
                       "lines": [line]}
-    lines = [report.headline(), report.copy_line(), report.memory_line(_card_bytes(controller.device), _total_ram())]
     plan = auto_plan_line(controller) if controller.auto else None
-    lines += ([plan] if plan else []) + report.notes()
+    # Under the picture: what its bars do not show (the memory line is the VRAM and RAM bars).
+    caption = [report.copy_line()] + ([plan] if plan else []) + report.notes()
     if controller.last_recommendation:
-        lines.append(f"advice: {controller.last_recommendation}")
+        caption.append(f"advice: {controller.last_recommendation}")
     if not after_connected:
-        lines.append(f"(the previous run: {CONNECT_AFTER} to read this prompt's run)")
-    data = {"state": "run", "title": report.headline(), "lines": lines, **_picture(report, controller)}
+        caption.append(f"(the previous run: {CONNECT_AFTER} to read this prompt's run)")
+    memory = report.memory_line(_card_bytes(controller.device), _total_ram())
+    lines = [report.headline(), caption[0], memory, *caption[1:]]
+    data = {"state": "run", "title": report.headline(), "lines": lines, "caption": caption,
+            **_picture(report, controller)}
     return "\n".join(lines), data
