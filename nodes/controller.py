@@ -21,7 +21,7 @@ import comfy.model_management
 
 from ..offload.device_backend import normalize_device
 from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
-from ..offload.advice import RunReport, block_tiers, recommend, slot_count
+from ..offload.advice import RunReport, activation_words, block_tiers, recommend, slot_count
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
 from ..offload.tensor_subclass import point_param_at, weight_nbytes
@@ -289,8 +289,8 @@ class OffloadController:
                               prefetch_size=self.config.prefetch_size,
                               policy=self.config.policy)
         if plan != self.last_plan:
-            log.info("%s; activations %s (%d tokens x %d, %s)", describe(plan), format_bytes(activations.nbytes),
-                     activations.tokens, x.shape[0], activations.source)
+            log.info("%s; activations %s (%s, %d tokens x %d)", describe(plan), format_bytes(activations.nbytes),
+                     activation_words(activations.source), activations.tokens, x.shape[0])
         self.last_plan = plan
         self.last_activations = activations
         self.config = dataclasses.replace(self.config, resident_layers=plan.resident_count)

@@ -12,7 +12,7 @@ from typing import Optional, Tuple
 
 import comfy.model_management
 
-from ..offload.advice import TIER_WORDS, seconds
+from ..offload.advice import TIER_WORDS, activation_words, seconds
 from ..offload.planner import format_bytes
 
 UI_KEY = "layerwise_offload"
@@ -33,13 +33,6 @@ def _card_bytes(device) -> int:
         return int(comfy.model_management.get_total_memory(device))
     except Exception:  # noqa: BLE001 - a device ComfyUI cannot size: draw the bar without a total
         return 0
-
-
-def activation_words(source: str) -> str:
-    """The activation estimate's origin as a person reads it (``wan_1_3b scaled to width 256`` is a table row)."""
-    if source.startswith("measured"):
-        return "measured"
-    return "roughly estimated" if source == "heuristic" else "estimated"
 
 
 def auto_plan_line(controller) -> Optional[str]:

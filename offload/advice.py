@@ -38,6 +38,14 @@ def slot_count(manager) -> int:
     return min(manager.config.prefetch_size + 1, streamed)
 
 
+def activation_words(source: str) -> str:
+    """An activation estimate's origin (planner.ActivationEstimate.source) as a person reads it: the source names
+    a row of the measured table ("wan_1_3b scaled to width 256"), which means nothing to a ComfyUI user."""
+    if source.startswith("measured"):
+        return "measured"
+    return "roughly estimated" if source == "heuristic" else "estimated"
+
+
 def seconds(value: float) -> str:
     """``0.42 s``, or ``12 ms`` below a tenth of a second (a tiny model's steps)."""
     return f"{value:.2f} s" if value >= 0.1 else f"{value * 1e3:.0f} ms" if value >= 0.001 else f"{value * 1e3:.1f} ms"

@@ -141,7 +141,7 @@ function render(node, box, data) {
                                    { value: r.held - r.pinned, colour: COLOURS.ram }], r.total || r.held));
     box.append(timeBars(data.time));
   }
-  const small = data.state === "run" ? "13px" : "18px";
+  const small = data.state === "run" ? "14px" : "18px";
   for (const line of lines) {
     box.append(el("div", { fontSize: small, color: data.state === "run" ? COLOURS.dim : COLOURS.text,
                            marginTop: "3px", lineHeight: "1.25" }, line));
