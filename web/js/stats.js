@@ -129,8 +129,9 @@ function render(node, box, data) {
   const titleColour = { passed_through: COLOURS.dim, not_offloaded: COLOURS.wait }[data.state] || COLOURS.text;
   box.append(el("div", { fontSize: big, fontWeight: "bold", color: titleColour, lineHeight: "1.15" }, data.title));
   // The title is said once: a first line that starts with it ("passed through: ...") goes on without it.
+  const said = `${data.title}: `.toLowerCase();
   let lines = (data.caption || data.lines || []).map((line) =>
-    line.startsWith(`${data.title}: `) ? line.slice(data.title.length + 2) : line).filter((line) => line !== data.title);
+    line.toLowerCase().startsWith(said) ? line.slice(said.length) : line).filter((line) => line !== data.title);
   if (data.state === "run") {
     box.append(blockMap(data.blocks), legend(data.blocks));
     const v = data.vram;
