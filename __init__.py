@@ -5,9 +5,23 @@ of the two is defined, because ComfyUI ignores comfy_entrypoint when NODE_CLASS_
 """
 
 import importlib.util
+import logging
 
-# Frontend extension (web/js/stats_text.js): draws the Stats node's report on the node after each run.
+# Frontend extension (web/js/stats.js): draws the Stats node's picture of the run on the node after each run.
 WEB_DIRECTORY = "./web"
+
+
+def _log_startup() -> None:
+    """One line when ComfyUI loads the pack: the device it found and what the node will do there."""
+    try:
+        import comfy.model_management
+
+        from .nodes.device_support import startup_line
+        line = startup_line(comfy.model_management.get_torch_device())
+    except Exception as e:  # noqa: BLE001 - the line must never keep the nodes from registering
+        line = f"[layerwise-offload] loaded; the device could not be read ({type(e).__name__}: {e})"
+    logging.getLogger("layerwise_offload").info(line)
+
 
 if importlib.util.find_spec("comfy") is None:
     # Imported outside ComfyUI (pytest collecting this folder as a package, tools): nothing to register.
@@ -15,8 +29,10 @@ if importlib.util.find_spec("comfy") is None:
 elif importlib.util.find_spec("comfy_api.latest") is None:
     from .nodes.v1 import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
+    _log_startup()
     __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
 else:
     from .nodes.v3 import comfy_entrypoint
 
+    _log_startup()
     __all__ = ["comfy_entrypoint", "WEB_DIRECTORY"]

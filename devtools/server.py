@@ -107,7 +107,8 @@ def default_comfyui_path() -> Path:
 def default_python() -> str:
     """This interpreter when it is one of the repository's venvs (.venv, .venv-0.14.1, ...: each matches one
     ComfyUI version), else .venv's, else this one."""
-    if sys.prefix != sys.base_prefix and Path(sys.prefix).resolve().parent == repo_root():
+    # Unresolved too: a git worktree's venvs may be symlinks to another checkout's.
+    if sys.prefix != sys.base_prefix and repo_root() in (Path(sys.prefix).parent, Path(sys.prefix).resolve().parent):
         return sys.executable
     venv = repo_root() / ".venv" / "bin" / "python"
     return str(venv) if venv.is_file() else sys.executable

@@ -21,7 +21,7 @@ import comfy.model_management
 
 from ..offload.device_backend import normalize_device
 from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
-from ..offload.advice import RunReport, recommend
+from ..offload.advice import RunReport, activation_words, block_tiers, recommend, slot_count
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
 from ..offload.tensor_subclass import point_param_at, weight_nbytes
@@ -296,8 +296,8 @@ class OffloadController:
                               prefetch_size=self.config.prefetch_size,
                               policy=self.config.policy)
         if plan != self.last_plan:
-            log.info("%s; activations %s (%d tokens x %d, %s)", describe(plan), format_bytes(activations.nbytes),
-                     activations.tokens, x.shape[0], activations.source)
+            log.info("%s; activations %s (%s, %d tokens x %d)", describe(plan), format_bytes(activations.nbytes),
+                     activation_words(activations.source), activations.tokens, x.shape[0])
         self.last_plan = plan
         self.last_activations = activations
         self.config = dataclasses.replace(self.config, resident_layers=plan.resident_count)
@@ -359,7 +359,14 @@ class OffloadController:
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
             point_backups_at_store(patcher, self._device_plan, self.manager.store)
         self._auto_planned_this_run = False
+        self.run_steps = 0  # the sampler's step count, from the first forward's schedule (note_steps)
         self._run_start = (time.perf_counter(), self.manager.stats(synchronize=False))
+
+    def note_steps(self, transformer_options) -> None:
+        """The run's step count for the stats' "per step", from the sigmas ComfyUI's sampler hands the model."""
+        sigmas = (transformer_options or {}).get("sample_sigmas")
+        if sigmas is not None and not getattr(self, "run_steps", 0):
+            self.run_steps = max(0, len(sigmas) - 1)
 
     def end_run(self, patcher) -> Optional[str]:
         if self._run_start is None:
@@ -381,7 +388,11 @@ class OffloadController:
             stall_seconds=after.stall_seconds - before.stall_seconds,
             run_seconds=time.perf_counter() - started, peak_device_bytes=after.peak_device_bytes,
             pinned_host_bytes=after.pinned_host_bytes, asynchronous=self.manager.backend.asynchronous,
-            host_bytes=after.host_bytes, pin_requested_bytes=after.host_bytes_requested)
+            host_bytes=after.host_bytes, pin_requested_bytes=after.host_bytes_requested,
+            steps=getattr(self, "run_steps", 0), prefetch_size=self.manager.config.prefetch_size,
+            block_tiers=block_tiers(self.manager), slot_count=slot_count(self.manager),
+            demand_copies=after.demand_copies - before.demand_copies, device_type=self.device.type,
+            other_device_bytes=self.loaded_bytes() - after.device_bytes, host_ram_bytes=self.host_ram_bytes())
         self.last_report = report
         sizes = self.manager.block_nbytes()
         resident = self.manager.schedule.resident_blocks if self.manager.schedule else ()

@@ -6,11 +6,14 @@ import logging
 import os
 
 import comfy.model_management
+import comfy.patcher_extension
 
 from ..offload import POLICIES, OffloadConfig, resolve_resident_count
 from .discovery import SUPPORTED_FAMILIES, discover_blocks
 from .dynamic_vram import non_dynamic_patcher, watch_clones
 from .controller import AUTO_RESIDENT, OffloadController
+from .device_support import CPU_LOOPBACK_ENV, device_support
+from .stats_view import PASSTHROUGH_ATTACHMENT
 from .patcher import make_offloaded_clone
 
 log = logging.getLogger("layerwise_offload")
@@ -18,7 +21,6 @@ log = logging.getLogger("layerwise_offload")
 NODE_ID = "LayerwiseOffload"
 DISPLAY_NAME = "Layerwise Offload (DiT)"
 CATEGORY = "model_patches/layerwise_offload"
-CPU_LOOPBACK_ENV = "LAYERWISE_OFFLOAD_CPU_LOOPBACK"
 
 DESCRIPTION = (
     "Keeps the first resident_layers transformer blocks of a diffusion transformer in VRAM and streams "
@@ -52,36 +54,29 @@ MIN_RESIDENT_LAYERS = AUTO_RESIDENT
 STATS_NODE_ID = "LayerwiseOffloadStats"
 STATS_DISPLAY_NAME = "Layerwise Offload Stats"
 STATS_DESCRIPTION = (
-    "Shows the last sampling run of an offloaded model: blocks resident and streamed, bytes copied per step, "
-    "GB/s, time waited for copies, peak VRAM, pinned RAM, and what to change.")
+    "Draws the last sampling run of an offloaded model: which blocks stayed in VRAM and which were streamed, "
+    "VRAM and RAM used, copy time against compute time per step, and what to change.")
 STATS_TOOLTIPS = {
     "model": "The MODEL output of a Layerwise Offload node.",
     "after": "Connect the sampler's LATENT output so the figures are read after that sampler ran.",
 }
 
 
-def offload_stats_text(model) -> str:
-    """The stats node's text: the last run's figures and a recommendation in words."""
-    from .patcher import LayerwiseOffloadPatcherMixin
-    controller = getattr(model, "attachments", {}).get(LayerwiseOffloadPatcherMixin.ATTACHMENT)
-    if controller is None:
-        return "This MODEL is not offloaded: connect the output of a Layerwise Offload node."
-    if controller.last_report is None:
-        return "No sampling run finished yet with this model: queue the prompt, then read this again."
-    text = f"{controller.last_report.figures()}\n{controller.last_recommendation}"
-    return text if not controller.auto else f"{auto_plan_text(controller)}\n{text}"
+def offload_stats(model, after_connected: bool = True):
+    """The Stats node's text and its picture data (nodes/stats_view.py)."""
+    from .stats_view import stats_view
+    return stats_view(model, after_connected)
 
 
-def auto_plan_text(controller) -> str:
-    """The auto plan in the words of its log line, without the log prefix."""
-    from ..offload.planner import describe, format_bytes
-    if controller.last_plan is None:
-        return "auto plan: not made yet"
-    line = describe(controller.last_plan).replace("[layerwise-offload] ", "", 1)
-    activations = getattr(controller, "last_activations", None)
-    if activations is not None:
-        line += f"; activations {format_bytes(activations.nbytes)} ({activations.source})"
-    return line
+def offload_stats_text(model, after_connected: bool = True) -> str:
+    return offload_stats(model, after_connected)[0]
+
+
+def stats_ui(model, after_connected: bool):
+    """The Stats node's UI output (the text, as core's Preview Any sends it, and the picture data) and its text."""
+    from .stats_view import UI_KEY
+    text, data = offload_stats(model, after_connected)
+    return {"text": [text], UI_KEY: [data]}, text
 
 
 def residency_policy_problem(value) -> "str | None":
@@ -89,10 +84,6 @@ def residency_policy_problem(value) -> "str | None":
     if value is None or value in POLICIES:  # None: fed by a link, checked when the node runs
         return None
     return f"residency_policy must be one of {', '.join(map(repr, POLICIES))}, got {value!r}"
-
-
-def cpu_loopback_requested() -> bool:
-    return os.environ.get(CPU_LOOPBACK_ENV, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy="leading", pin_memory=True):
@@ -105,10 +96,9 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     config = OffloadConfig(resident_layers=resident_layers, prefetch_size=prefetch_size,
                            policy=residency_policy, pin_memory=pin)
     discover_blocks(model.get_model_object("diffusion_model"))  # a non-DiT fails here, before anything else
-    if comfy.model_management.is_device_cpu(model.load_device) and not cpu_loopback_requested():
-        log.info("[layerwise-offload] ComfyUI computes on the CPU: offload has no effect, passing the model "
-                 "through (set %s=1 to run the offload on the CPU anyway)", CPU_LOOPBACK_ENV)
-        return model.clone()
+    support = device_support(model.load_device)
+    if not support.offloads:
+        return passed_through(model, support)
     model = non_dynamic_patcher(model)
     base_model = model.model
     diffusion_model = model.get_model_object("diffusion_model")
@@ -119,14 +109,27 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
         f"residency_policy={residency_policy}, pin_memory={pin_memory}")
     if refusal is not None:  # here, so ComfyUI reports it against this node and its settings, not the sampler
         raise MemoryError(refusal)
-    log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, pin_memory=%s",
+    log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, %s",
              type(diffusion_model).__name__, discovered.family, len(discovered), "+".join(discovered.attributes),
              "auto" if auto else resolve_resident_count(config.resident_layers, len(discovered)), prefetch_size,
-             residency_policy, pin)
+             residency_policy, "pinned RAM" if pin else "CPU loopback: nothing to pin" if support.device_type == "cpu"
+             else "pin_memory off")
     offloaded = make_offloaded_clone(model, controller)
     watch_clones(offloaded)
     return offloaded
 
 
-__all__ = ["offload_model", "offload_stats_text", "residency_policy_problem", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
+def passed_through(model, support):
+    """``model`` unchanged, marked so the Stats node and the run line say why nothing was offloaded."""
+    log.info("[layerwise-offload] %s%s", support.reason, f" ({support.hint})" if support.hint else "")
+    clone = model.clone()
+    clone.attachments[PASSTHROUGH_ATTACHMENT] = support
+    key = PASSTHROUGH_ATTACHMENT
+    clone.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_CLEANUP, key)
+    clone.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_CLEANUP, key,
+                                lambda patcher: log.info("[layerwise-offload] run: %s", support.reason))
+    return clone
+
+
+__all__ = ["offload_model", "offload_stats", "offload_stats_text", "stats_ui", "residency_policy_problem", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
            "POLICIES", "CPU_LOOPBACK_ENV"]

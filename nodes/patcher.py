@@ -130,6 +130,7 @@ def apply_model_wrapper(executor, *args, **kwargs):
     controller = getattr(patcher, "attachments", {}).get(LayerwiseOffloadPatcherMixin.ATTACHMENT)
     if controller is None:
         return executor(*args, **kwargs)
+    controller.note_steps(args[5] if len(args) > 5 else kwargs.get("transformer_options"))  # BaseModel.apply_model's
     with controller.forward(patcher, args[0] if args else kwargs.get("x")):
         return executor(*args, **kwargs)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
                            MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, offload_model, offload_stats_text)
+                           STATS_TOOLTIPS, TOOLTIPS, offload_model, stats_ui)
 
 
 class LayerwiseOffloadV1:
@@ -47,8 +47,8 @@ class LayerwiseOffloadStatsV1:
         return float("nan")  # the figures change with every run
 
     def show(self, model, after=None):
-        text = offload_stats_text(model)
-        return {"ui": {"text": [text]}, "result": (text,)}
+        ui, text = stats_ui(model, after_connected=after is not None)
+        return {"ui": ui, "result": (text,)}
 
 
 NODE_CLASS_MAPPINGS = {NODE_ID: LayerwiseOffloadV1, STATS_NODE_ID: LayerwiseOffloadStatsV1}

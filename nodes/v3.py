@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from comfy_api.latest import ComfyExtension, io, ui
+from comfy_api.latest import ComfyExtension, io
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
                            MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, offload_model, offload_stats_text, residency_policy_problem)
+                           STATS_TOOLTIPS, TOOLTIPS, offload_model, residency_policy_problem, stats_ui)
 
 
 class LayerwiseOffload(io.ComfyNode):
@@ -60,8 +60,8 @@ class LayerwiseOffloadStats(io.ComfyNode):
 
     @classmethod
     def execute(cls, model, after=None) -> io.NodeOutput:
-        text = offload_stats_text(model)
-        return io.NodeOutput(text, ui=ui.PreviewText(text))
+        shown, text = stats_ui(model, after_connected=after is not None)
+        return io.NodeOutput(text, ui=shown)
 
 
 class LayerwiseOffloadExtension(ComfyExtension):

@@ -1,14 +1,54 @@
-"""Turning one sampling run's counters into figures and a recommendation a person can act on."""
+"""Turning one sampling run's counters into figures and a recommendation a person can act on.
+
+Every figure is said in a form that cannot contradict another: a speed only next to the bytes it moved, a wait
+only with its cause, and on a device where copies cannot overlap compute (the CPU loopback) that fact instead of
+overlap or pinning figures.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import List, Sequence
 
 from .planner import format_bytes
 
 # Below this share of the run spent waiting for copies, the copies count as hidden.
 HIDDEN_STALL_FRACTION = 0.02
+
+# One letter per block in call order: kept in VRAM, copied in from RAM every step, read from disk every step.
+RESIDENT, STREAMED, ON_DISK = "R", "S", "D"
+TIER_WORDS = {RESIDENT: "in VRAM", STREAMED: "streamed from RAM", ON_DISK: "streamed from disk"}
+
+
+def block_tiers(manager) -> str:
+    """The manager's plan as one letter per block in call order (``TIER_WORDS``). A host store that keeps some
+    blocks on disk says so with ``block_on_disk(index)``."""
+    schedule = manager.schedule
+    if schedule is None:
+        return ""
+    resident = set(schedule.resident_blocks)
+    on_disk = getattr(manager.store, "block_on_disk", None)
+    return "".join(RESIDENT if i in resident else ON_DISK if on_disk is not None and on_disk(i) else STREAMED
+                   for i in range(manager.num_blocks))
+
+
+def slot_count(manager) -> int:
+    """The streaming slots the manager's plan holds on the device (its ring of ``prefetch_size + 1``)."""
+    streamed = len(manager.schedule.streamed_blocks) if manager.schedule is not None else 0
+    return min(manager.config.prefetch_size + 1, streamed)
+
+
+def activation_words(source: str) -> str:
+    """An activation estimate's origin (planner.ActivationEstimate.source) as a person reads it: the source names
+    a row of the measured table ("wan_1_3b scaled to width 256"), which means nothing to a ComfyUI user."""
+    if source.startswith("measured"):
+        return "measured"
+    return "roughly estimated" if source == "heuristic" else "estimated"
+
+
+def seconds(value: float) -> str:
+    """``0.42 s``, or ``12 ms`` below a tenth of a second (a tiny model's steps)."""
+    return f"{value:.2f} s" if value >= 0.1 else f"{value * 1e3:.0f} ms" if value >= 0.001 else f"{value * 1e3:.1f} ms"
 
 
 @dataclass(frozen=True)
@@ -27,6 +67,14 @@ class RunReport:
     asynchronous: bool = True  # copies can overlap compute (a copy stream); False on the CPU loopback
     host_bytes: int = 0  # the host store (every block once)
     pin_requested_bytes: int = 0  # page-locking asked for (the streamed blocks within the pin budget)
+    steps: int = 0  # the sampler's steps in this run (0: unknown, the figures are then per forward)
+    block_tiers: str = ""  # one of R / S / D per block, in call order
+    prefetch_size: int = 1
+    slot_count: int = 0  # streaming slots the plan holds on the device
+    demand_copies: int = 0  # copies issued only when their block was about to run (not prefetched in time)
+    device_type: str = "cuda"
+    other_device_bytes: int = 0  # this model's weights outside the blocks, on the device
+    host_ram_bytes: int = 0  # RAM this model holds (the host store and the weights left on the host)
 
     @property
     def gbps(self) -> float:
@@ -36,13 +84,106 @@ class RunReport:
     def stall_fraction(self) -> float:
         return self.stall_seconds / self.run_seconds if self.run_seconds > 0 else 0.0
 
+    @property
+    def streamed_blocks(self) -> int:
+        return self.num_blocks - self.resident_blocks
+
+    @property
+    def step_word(self) -> str:
+        return "step" if self.steps > 0 else "forward"
+
+    @property
+    def step_count(self) -> int:
+        return self.steps if self.steps > 0 else self.forwards
+
+    def per_step(self, value: float) -> float:
+        return value / self.step_count if self.step_count else 0.0
+
+    @property
+    def copy_per_step(self) -> float:
+        return self.per_step(self.copy_seconds)
+
+    @property
+    def compute_per_step(self) -> float:
+        """The step's time apart from waiting on copies (the model, the sampler, ComfyUI)."""
+        return self.per_step(max(0.0, self.run_seconds - self.stall_seconds))
+
+    @property
+    def wait_per_step(self) -> float:
+        return self.per_step(self.stall_seconds)
+
+    @property
+    def bytes_per_step(self) -> int:
+        return int(self.bytes_per_forward * self.forwards / self.step_count) if self.step_count else 0
+
+    @property
+    def first_load_bytes(self) -> int:
+        """What the first forward copied on top of the steady state: the resident blocks coming in."""
+        return max(0, self.run_bytes - self.bytes_per_forward * self.forwards)
+
+    @property
+    def device_memory_bytes(self) -> int:
+        return self.peak_device_bytes + self.other_device_bytes
+
+    def headline(self) -> str:
+        if self.streamed_blocks == 0:
+            return f"all {self.num_blocks} blocks in VRAM"
+        return f"{self.resident_blocks} of {self.num_blocks} blocks in VRAM, {self.streamed_blocks} streamed"
+
+    def copy_line(self) -> str:
+        """What the copies cost per step, with the bytes behind every speed and the cause of every wait."""
+        unit = self.step_word
+        if self.bytes_per_forward == 0:
+            line = f"nothing copied per {unit}"
+            if self.first_load_bytes:
+                line += f" (the first {unit} brought the blocks in: {format_bytes(self.first_load_bytes)})"
+            return line
+        line = f"{format_bytes(self.bytes_per_step)} copied per {unit}"
+        if self.copy_seconds > 0:
+            line += f" in {seconds(self.copy_per_step)} ({self.gbps:.2f} GB/s)"
+        if not self.asynchronous:
+            return line + f", on top of {seconds(self.compute_per_step)} of compute"
+        line += f", behind {seconds(self.compute_per_step)} of compute"
+        if self.stall_fraction >= HIDDEN_STALL_FRACTION:
+            line += f"; waited {seconds(self.wait_per_step)} per {unit} for {self._wait_cause()}"
+        return line
+
+    def _wait_cause(self) -> str:
+        if self.demand_copies:
+            return (f"copies not prefetched in time ({self.demand_copies} block"
+                    f"{'s' if self.demand_copies != 1 else ''} copied only when needed)")
+        if self.copy_per_step > self.compute_per_step:
+            return "copies: they take longer than the compute they hide behind"
+        return "copies to finish"
+
+    def notes(self) -> List[str]:
+        """What a person would otherwise read as a contradiction, said once."""
+        notes = []
+        if self.device_type == "cpu":
+            notes.append("CPU loopback (a test mode): no pinning and no copy/compute overlap on the CPU; "
+                         "VRAM here is RAM")
+        streamed = self.streamed_blocks
+        if streamed and self.bytes_per_forward == 0:
+            notes.append(f"the {self.slot_count} streaming slots (prefetch_size {self.prefetch_size}) hold all "
+                         f"{streamed} streamed block{'s' if streamed != 1 else ''}: they stay in VRAM like resident "
+                         f"ones, copied once per run")
+        elif 0 < streamed <= self.prefetch_size:
+            notes.append(f"prefetch_size {self.prefetch_size} is more than the {streamed} streamed "
+                         f"block{'s' if streamed != 1 else ''}: at most {streamed} can be copied ahead")
+        return notes
+
+    def memory_line(self, card_bytes: int = 0, ram_bytes: int = 0) -> str:
+        """This model's weights in VRAM and RAM, against the card's and the machine's totals where given."""
+        pinned = "" if self.device_type == "cpu" else f", {format_bytes(self.pinned_host_bytes)} pinned"
+        card = f" of {format_bytes(card_bytes)}" if card_bytes else ""
+        ram = f" of {format_bytes(ram_bytes)}" if ram_bytes else ""
+        return (f"VRAM {format_bytes(self.device_memory_bytes)}{card} for this model's weights, "
+                f"RAM {format_bytes(self.host_ram_bytes or self.host_bytes)}{ram} held{pinned}")
+
     def figures(self) -> str:
-        return (f"{self.forwards} forwards, {self.resident_blocks}/{self.num_blocks} blocks resident "
-                f"({format_bytes(self.resident_bytes)}), {format_bytes(self.bytes_per_forward)} copied per forward "
-                f"at {self.gbps:.2f} GB/s, stalled {self.stall_fraction:.0%} of the run "
-                f"({self.stall_seconds:.3f} of {self.run_seconds:.3f} s), peak device "
-                f"{format_bytes(self.peak_device_bytes)}, pinned host {format_bytes(self.pinned_host_bytes)} "
-                f"(of {format_bytes(self.pin_requested_bytes)} requested), host store {format_bytes(self.host_bytes)}")
+        """The run line: headline, copies, memory and notes in one line."""
+        count = f"{self.step_count} {self.step_word}{'s' if self.step_count != 1 else ''}"
+        return "; ".join([f"{count}, {self.headline()}", self.copy_line(), self.memory_line(), *self.notes()])
 
 
 def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
@@ -55,14 +196,20 @@ def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
     """
     streamed = report.num_blocks - report.resident_blocks
     if report.forwards == 0:
-        return "no forward ran yet: queue a prompt first"
+        return "no step ran yet: queue a prompt first"
+    if report.bytes_per_forward == 0:
+        if streamed == 0:
+            return "nothing streamed: the model runs as if fully loaded"
+        # The slot ring holds every streamed block: keeping them resident instead takes no more VRAM.
+        return (f"the streaming slots hold every streamed block: resident_layers = {report.num_blocks} "
+                f"runs the same for no more VRAM")
     if not report.asynchronous:
-        return (f"copies are synchronous on this device (no copy stream, nothing overlaps): they took "
-                f"{report.stall_fraction:.0%} of the run; each block kept resident removes its copy")
+        return (f"copies took {report.stall_fraction:.0%} of the run; on a GPU they run behind compute, here "
+                f"each block kept resident removes its copy")
     if report.stall_fraction >= HIDDEN_STALL_FRACTION:
-        return (f"stalled {report.stall_fraction:.0%} of the run waiting for copies: raise resident_layers "
+        return (f"waiting took {report.stall_fraction:.0%} of the run: raise resident_layers "
                 f"(or prefetch_size) if VRAM allows")
-    if report.resident_blocks == 0 or report.copy_seconds <= 0 and streamed > 0:
+    if report.resident_blocks == 0 or report.copy_seconds <= 0:
         return "copies fully hidden: nothing to change"
     per_forward_seconds = report.run_seconds / report.forwards
     copy_per_forward = report.copy_seconds / report.forwards

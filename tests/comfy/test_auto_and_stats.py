@@ -1,16 +1,19 @@
 """Auto resident count from ComfyUI's free-memory figure, per-run telemetry and the stats node."""
 
+import json
+
 import pytest
 import torch
 
 import comfy.model_management as mm
 
 from layerwise_offload.devtools import tiny_dits
-from layerwise_offload.nodes.offload_node import offload_model, offload_stats_text
+from layerwise_offload.nodes.device_support import CPU_LOOPBACK_ENV, device_support, startup_line
+from layerwise_offload.nodes.offload_node import offload_model, offload_stats, offload_stats_text
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.nodes.v1 import LayerwiseOffloadStatsV1, LayerwiseOffloadV1
 from layerwise_offload.nodes.offload_node import DEFAULTS
-from layerwise_offload.offload.planner import forward_activation_bytes, plan_residency
+from layerwise_offload.offload.planner import format_bytes, forward_activation_bytes, plan_residency
 
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
@@ -75,14 +78,15 @@ def test_auto_is_the_default_and_the_stats_node_shows_its_plan():
     assert controller.auto
     tiny_dits.sample(model, seed=3)
     text = offload_stats_text(model)
-    plan_line = text.splitlines()[0]
-    assert plan_line.startswith(f"auto plan: {controller.last_plan.resident_count}/4 blocks resident")
-    assert "activations" in plan_line and "(wan_1_3b scaled to width 256)" in plan_line
+    [plan_line] = [line for line in text.splitlines() if line.startswith("auto: ")]
+    assert controller.last_plan.resident_count == 4  # a roomy machine keeps the 4 tiny blocks
+    assert plan_line.startswith("auto: every block fits in the ") and "of estimated activations" in plan_line
+    assert "wan_1_3b" not in text and "scaled to width" not in text  # the table's row names are not words
     # A user's number wins over auto: no plan line, the count asked for.
     fixed = offload_model(tiny_dits.build_tiny("wan21"), 2)
     tiny_dits.sample(fixed, seed=3)
     assert not controller_of(fixed).auto and controller_of(fixed).manager.resident_count() == 2
-    assert not offload_stats_text(fixed).startswith("auto plan")
+    assert "auto:" not in offload_stats_text(fixed)
 
 
 def test_run_telemetry_counts_streamed_bytes_times_forwards():
@@ -104,18 +108,65 @@ def test_run_telemetry_counts_streamed_bytes_times_forwards():
     assert report.copy_seconds > 0 and report.stall_seconds > 0  # loopback copies are all stall
 
 
-def test_stats_node_shows_the_last_run():
+def test_stats_node_shows_the_last_run_as_text_and_picture_data():
     model = offload_model(tiny_dits.build_tiny("wan21"), 1, 1, "leading", True)
-    assert "No sampling run finished yet" in offload_stats_text(model)
-    tiny_dits.sample(model, seed=3)
-    result = LayerwiseOffloadStatsV1().show(model)
+    # No run yet: with `after` unconnected it says to connect it (the node would otherwise run before the sampler).
+    waiting = LayerwiseOffloadStatsV1().show(model)
+    assert waiting["result"][0] == ("No run yet: connect the sampler's LATENT output to `after`, then queue the "
+                                    "prompt.")
+    assert waiting["ui"]["layerwise_offload"] == [{"state": "no_run", "title": "no run yet", "after_connected": False,
+                                                   "lines": [waiting["result"][0]]}]
+    assert "feed the sampler from this Layerwise Offload node" in offload_stats_text(model, after_connected=True)
+    tiny_dits.sample(model, seed=3, steps=3)
+    result = LayerwiseOffloadStatsV1().show(model, after={"samples": None})
     text = result["result"][0]
-    assert result["ui"]["text"] == [text]
-    assert "1/4 blocks resident" in text and "copied per forward" in text
-    # On the CPU loopback nothing overlaps, and the advice says so whatever the timings.
-    assert "copies are synchronous on this device" in text
+    [data] = result["ui"]["layerwise_offload"]
+    assert result["ui"]["text"] == [text] and data["lines"] == text.splitlines()
+    assert json.loads(json.dumps(data)) == data  # the UI output travels as JSON
+    report = controller_of(model).last_report
+    assert data["state"] == "run" and data["blocks"] == "RSSS" and report.steps == 3
+    assert text.startswith("1 of 4 blocks in VRAM, 3 streamed\n")
+    sizes = controller_of(model).manager.block_nbytes()
+    assert f"{format_bytes(sum(sizes[1:]))} copied per step in " in text and "GB/s" in text
+    # The CPU loopback's limits are said once, instead of pin figures that contradict the widget.
+    assert "no pinning and no copy/compute overlap on the CPU" in text and "pinned" not in text
+    assert "took" in text.splitlines()[-1] and text.splitlines()[-1].startswith("advice: ")
+    assert data["vram"]["blocks"] == report.peak_device_bytes and data["ram"]["held"] == report.host_ram_bytes > 0
+    assert data["time"]["overlap"] is False and data["time"]["copy"] > 0 and data["time"]["unit"] == "step"
+    # The previous run, read with `after` unconnected, says it is the previous one.
+    assert "(the previous run: connect the sampler's LATENT output to `after`" in offload_stats_text(model, False)
     plain = tiny_dits.build_tiny("wan21")
-    assert "not offloaded" in offload_stats_text(plain)
+    assert offload_stats(plain)[1]["state"] == "not_offloaded"
+    assert "connect that node's MODEL output to `model`" in offload_stats_text(plain)
+
+
+def test_a_cpu_without_the_loopback_passes_through_and_says_so(monkeypatch, caplog):
+    monkeypatch.delenv(CPU_LOOPBACK_ENV)
+    with caplog.at_level("INFO", logger="layerwise_offload"):
+        passed = offload_model(tiny_dits.build_tiny("wan21"))
+        lora_after = passed.clone()  # what a LoRA loader after the node hands the sampler
+        want = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
+        assert torch.equal(tiny_dits.sample(lora_after, seed=3), want)
+    text, data = offload_stats(lora_after)
+    assert text.startswith("passed through: ComfyUI runs on the CPU, nothing to offload\n")
+    assert data["state"] == "passed_through" and data["device"] == "cpu" and "not offloaded" not in text
+    assert f"{CPU_LOOPBACK_ENV}=1" in text.splitlines()[1]
+    runs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[layerwise-offload] run: ")]
+    assert runs == ["[layerwise-offload] run: passed through: ComfyUI runs on the CPU, nothing to offload"]
+
+
+def test_the_start_up_line_names_the_device_and_what_the_node_does(monkeypatch):
+    monkeypatch.delenv(CPU_LOOPBACK_ENV)
+    assert startup_line(torch.device("cpu")) == (
+        "[layerwise-offload] loaded; the Layerwise Offload node will pass models through: ComfyUI runs on the CPU, "
+        f"nothing to offload (start ComfyUI with {CPU_LOOPBACK_ENV}=1 to run the offload on the CPU as a test)")
+    for kind in ("mps", "xpu"):
+        support = device_support(torch.device(kind))
+        assert not support.offloads and support.reason.startswith(f"passed through: ComfyUI runs on {kind}")
+        assert f"pass models through: ComfyUI runs on {kind}" in startup_line(torch.device(kind))
+    assert device_support(torch.device("cuda", 0)).offloads
+    monkeypatch.setenv(CPU_LOOPBACK_ENV, "1")
+    assert startup_line(torch.device("cpu")).startswith("[layerwise-offload] loaded; offloading on the CPU (")
 
 
 def test_two_offloaded_models_hold_their_weights_once_in_ram():

@@ -61,7 +61,8 @@ def test_comfyuis_ram_cache_sees_the_host_store():
     assert offloaded.get_ram_usage() >= store > offloaded.model_size() - controller_of(offloaded).non_block_bytes()
     from layerwise_offload.offload.planner import format_bytes
     figures = controller_of(offloaded).last_report.figures()  # the stats line and the stats node
-    assert f"pinned host 0 B (of 0 B requested), host store {format_bytes(store)}" in figures
+    held = controller_of(offloaded).host_ram_bytes()
+    assert held >= store and f"RAM {format_bytes(held)} held" in figures
 
 
 def test_the_node_refuses_short_host_memory_itself_with_its_settings(monkeypatch):

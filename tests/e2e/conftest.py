@@ -10,6 +10,7 @@ The tiny assets (devtools/e2e_assets.py) are built once into ``<repo>/.comfyui/e
 when their recipe changes) and symlinked into each session's base folder.
 
 Environment: ``LAYERWISE_OFFLOAD_E2E_KEEP=1`` keeps the base folder (and prints where), ``COMFYUI_PATH`` as usual,
+``LAYERWISE_OFFLOAD_FRONTEND_ROOT`` serves another frontend (ComfyUI's ``--front-end-root``),
 ``LAYERWISE_OFFLOAD_E2E_LOOPBACK=0`` starts the server WITHOUT the CPU loopback (the node then passes the model
 through): a diagnostic, to tell the offload from the plumbing when a test fails (the tests that check the offload
 really ran fail in that mode, as they should).
@@ -29,6 +30,15 @@ from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
 REPO = Path(__file__).resolve().parents[2]
 ASSET_CACHE = REPO / ".comfyui" / "e2e-assets"
 CPU_LOOPBACK_ENV = "LAYERWISE_OFFLOAD_CPU_LOOPBACK"
+# A frontend other than the one ComfyUI pins, e.g. the static/ folder of PyPI's comfyui-frontend-package 1.58.1.
+FRONTEND_ROOT_ENV = "LAYERWISE_OFFLOAD_FRONTEND_ROOT"
+
+
+def server_args() -> list:
+    """What every e2e server gets: no API nodes (they talk to api.comfy.org; the machine may be offline), and
+    ComfyUI's --front-end-root where LAYERWISE_OFFLOAD_FRONTEND_ROOT names another frontend."""
+    root = os.environ.get(FRONTEND_ROOT_ENV)
+    return ["--disable-api-nodes"] + (["--front-end-root", root] if root else [])
 
 
 @pytest.fixture(scope="session")
@@ -58,9 +68,7 @@ def missing_peers(comfy_base):
 def comfy_server(comfy_base, missing_peers):
     """The session's running :class:`ComfyServer` (CPU, CPU loopback on)."""
     loopback = os.environ.get("LAYERWISE_OFFLOAD_E2E_LOOPBACK", "1")
-    srv = ComfyServer(comfy_base, cpu=True, env={CPU_LOOPBACK_ENV: loopback},
-                      # API nodes talk to api.comfy.org; none is needed here and the machine may be offline.
-                      extra_args=["--disable-api-nodes"])
+    srv = ComfyServer(comfy_base, cpu=True, env={CPU_LOOPBACK_ENV: loopback}, extra_args=server_args())
     srv.start(timeout=240)
     try:
         yield srv
