@@ -47,6 +47,20 @@ for v in "${versions[@]}"; do
     summary+=("ComfyUI $v: pytest exit $status")
     [[ $status == 0 ]] || failed+=("$v")
 done
+# The newest frontend (PyPI comfyui-frontend-package, served with --front-end-root) over ComfyUI 0.14.1: the browser
+# tests only, when the whole suite (no path given) ran on 0.14.1. FRONTEND_158=0 leaves it out.
+if [[ $has_path == 0 && " ${versions[*]} " == *" 0.14.1 "* && "${FRONTEND_158:-1}" != 0 ]]; then
+    echo "[layerwise-offload] ===== browser tests on ComfyUI 0.14.1 with frontend 1.58.1 ====="
+    status=0
+    static="$(bash scripts/install_frontend.sh | tail -n 1)" || status=$?
+    if [[ $status == 0 ]]; then
+        args=(tests/e2e/test_browser.py tests/e2e/test_browser_stats.py "$@")
+        LAYERWISE_OFFLOAD_FRONTEND_ROOT="$static" run_pytest "$ROOT/.venv-0.14.1" "$ROOT/.comfyui/ComfyUI-0.14.1" \
+            || status=$?
+    fi
+    summary+=("ComfyUI 0.14.1 + frontend 1.58.1 (browser): pytest exit $status")
+    [[ $status == 0 ]] || failed+=("0.14.1+frontend-1.58.1")
+fi
 for line in "${summary[@]}"; do echo "[layerwise-offload] $line"; done
 if [[ ${#failed[@]} -gt 0 ]]; then
     echo "[layerwise-offload] FAILED on ComfyUI ${failed[*]}" >&2
