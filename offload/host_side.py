@@ -76,7 +76,7 @@ class HostSideMixin:
         return changed
 
     # ----------------------------------------------------------------- tiers
-    def _plan_tiers(self, waiting: Sequence[int]) -> TierPlan:
+    def _plan_tiers(self, waiting: Sequence[int], mode: Optional[str] = None) -> TierPlan:
         """Which blocks' host copies go to disk under ``config.host_store``, and what packing ``waiting`` costs."""
         waiting_set = set(waiting)
         named = [block_parameters(block) for block in self.blocks]
@@ -85,7 +85,7 @@ class HostSideMixin:
         disk = self._disk
         ring = self._ring_size()
         return plan_host_tiers(
-            sizes, freed, self.config.host_store, self.available_host_bytes(),
+            sizes, freed, mode or self.config.host_store, self.available_host_bytes(),
             ring_bytes=lambda tiers: ring * max((padded(s) for s, d in zip(sizes, tiers) if d), default=0),
             margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(self.num_blocks)],
             already_disk=[disk is not None and disk.holds(i) for i in range(self.num_blocks)])
@@ -211,17 +211,20 @@ class HostSideMixin:
         self._store_mode = None
         return_freed_host_memory()
 
-    def host_memory_shortfall(self, settings: Optional[str] = None) -> Optional[str]:
+    def host_memory_shortfall(self, settings: Optional[str] = None, host_store: Optional[str] = None) -> Optional[str]:
         """Why packing the blocks not in the store yet would fail for want of host memory, or None.
 
         Counts what packing really adds: each block's buffer less the bytes of ComfyUI's copy it frees, one
         block above that at the peak, and the disk tier's staging ring where blocks go to disk
-        (:mod:`.disk_budget`). ``settings`` names the caller's settings in the message (the node's inputs, say).
+        (:mod:`.disk_budget`). ``settings`` names the caller's settings in the message (the node's inputs, say);
+        ``host_store`` plans under that setting instead of the manager's own.
         """
-        waiting = [i for i in range(self.num_blocks) if self.store is None or self.store.buffers[i] is None]
+        mode = host_store or self.config.host_store
+        stale = self.store is None or self._store_mode != mode
+        waiting = [i for i in range(self.num_blocks) if stale or self.store.buffers[i] is None]
         if not waiting:
             return None
-        plan = self._plan_tiers(waiting)
+        plan = self._plan_tiers(waiting, mode)
         missing = plan.shortfall()
         if missing is None:
             return None
