@@ -140,7 +140,10 @@ class OffloadController:
     def host_ram_bytes(self) -> int:
         """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
         host = sum(t.nelement() * t.element_size() for t in self._non_block_tensors() if t.device.type == "cpu")
-        return host + sum(self.manager.block_nbytes())
+        disk = self.manager._disk  # blocks in the disk tier's file hold only its staging ring in RAM
+        staging = disk.ring_bytes if disk is not None else 0
+        tiers = self.manager.host_tiers()
+        return host + staging + sum(n for n, t in zip(self.manager.block_nbytes(), tiers) if t == "ram")
 
     def loaded_bytes(self) -> int:
         on_device = sum(weight_nbytes(t) for t in self._non_block_tensors()
@@ -346,6 +349,15 @@ class OffloadController:
         self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
         self.manager.pinner = comfyui_pinner() or self.manager.pinner
 
+    def block_states(self) -> List[str]:
+        """Per block (call order), for a block map: "resident" (kept in VRAM), "streamed" (copied in each step from
+        host RAM) or "disk" (copied in each step from the disk tier's file, through a staging buffer)."""
+        manager = self.manager
+        schedule = manager.schedule or manager._make_schedule()
+        tiers = manager.host_tiers()
+        return ["resident" if keep else "disk" if tier == "disk" else "streamed"
+                for keep, tier in zip(schedule.resident, tiers)]
+
     def begin_run(self, patcher) -> None:
         self.manager.reset_peaks()
         if self.manager.prepare():
@@ -374,7 +386,10 @@ class OffloadController:
             stall_seconds=after.stall_seconds - before.stall_seconds,
             run_seconds=time.perf_counter() - started, peak_device_bytes=after.peak_device_bytes,
             pinned_host_bytes=after.pinned_host_bytes, asynchronous=self.manager.backend.asynchronous,
-            host_bytes=after.host_bytes, pin_requested_bytes=after.host_bytes_requested)
+            host_bytes=after.host_bytes, pin_requested_bytes=after.host_bytes_requested,
+            disk_blocks=after.disk_blocks, disk_bytes_read=after.disk_bytes_read - before.disk_bytes_read,
+            disk_seconds=after.disk_read_seconds - before.disk_read_seconds,
+            disk_stall_seconds=after.disk_stall_seconds - before.disk_stall_seconds)
         self.last_report = report
         sizes = self.manager.block_nbytes()
         resident = self.manager.schedule.resident_blocks if self.manager.schedule else ()

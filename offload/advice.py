@@ -27,6 +27,22 @@ class RunReport:
     asynchronous: bool = True  # copies can overlap compute (a copy stream); False on the CPU loopback
     host_bytes: int = 0  # the host store (every block once)
     pin_requested_bytes: int = 0  # page-locking asked for (the streamed blocks within the pin budget)
+    disk_blocks: int = 0  # blocks whose host copy lives in the disk tier's file
+    disk_bytes_read: int = 0  # read from that file during the run
+    disk_seconds: float = 0.0  # wall time with a read in flight
+    disk_stall_seconds: float = 0.0  # time copies waited for reads
+
+    @property
+    def disk_gbps(self) -> float:
+        return self.disk_bytes_read / self.disk_seconds / 1e9 if self.disk_seconds > 0 else 0.0
+
+    def disk_figures(self) -> str:
+        """The disk tier's part of the run line (empty when no block is on disk)."""
+        if not self.disk_blocks:
+            return ""
+        per_forward = self.disk_bytes_read // max(1, self.forwards)
+        return (f", {self.disk_blocks} blocks on disk: {format_bytes(per_forward)} read per forward at "
+                f"{self.disk_gbps:.2f} GB/s, stalled {self.disk_stall_seconds:.3f} s waiting for reads")
 
     @property
     def gbps(self) -> float:
@@ -42,7 +58,8 @@ class RunReport:
                 f"at {self.gbps:.2f} GB/s, stalled {self.stall_fraction:.0%} of the run "
                 f"({self.stall_seconds:.3f} of {self.run_seconds:.3f} s), peak device "
                 f"{format_bytes(self.peak_device_bytes)}, pinned host {format_bytes(self.pinned_host_bytes)} "
-                f"(of {format_bytes(self.pin_requested_bytes)} requested), host store {format_bytes(self.host_bytes)}")
+                f"(of {format_bytes(self.pin_requested_bytes)} requested), host store {format_bytes(self.host_bytes)}"
+                f"{self.disk_figures()}")
 
 
 def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
@@ -59,6 +76,10 @@ def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
     if not report.asynchronous:
         return (f"copies are synchronous on this device (no copy stream, nothing overlaps): they took "
                 f"{report.stall_fraction:.0%} of the run; each block kept resident removes its copy")
+    if report.disk_blocks and report.run_seconds > 0 and report.disk_stall_seconds / report.run_seconds >= HIDDEN_STALL_FRACTION:
+        return (f"stalled {report.disk_stall_seconds / report.run_seconds:.0%} of the run waiting for disk reads: "
+                f"fewer blocks on disk helps (free host RAM for host_store = auto, or an fp8/GGUF checkpoint), "
+                f"or a faster disk for the cache file")
     if report.stall_fraction >= HIDDEN_STALL_FRACTION:
         return (f"stalled {report.stall_fraction:.0%} of the run waiting for copies: raise resident_layers "
                 f"(or prefetch_size) if VRAM allows")

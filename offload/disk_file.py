@@ -20,6 +20,7 @@ import mmap
 import os
 import re
 import uuid
+import weakref
 from typing import Optional, Set
 
 import torch
@@ -111,6 +112,21 @@ def _remove_at_exit() -> None:
 atexit.register(_remove_at_exit)
 
 
+def _close_and_delete(state: dict) -> None:
+    """Close the file's descriptors and delete it: at close(), or when its store is garbage collected."""
+    for fd in state["fds"]:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    state["fds"] = []
+    try:
+        os.unlink(state["path"])
+    except OSError:
+        pass
+    _LIVE.discard(state["path"])
+
+
 class CacheFile:
     """The packed cache file of one host store: append regions, map them, read them back, delete it."""
 
@@ -139,6 +155,8 @@ class CacheFile:
         except OSError as error:
             raise _fail(folder, "a file cannot be created there", error) from error
         _LIVE.add(self.path)
+        self._state = {"fds": [self.fd], "path": self.path}
+        self._finalizer = weakref.finalize(self, _close_and_delete, self._state)
         self.size = 0
         self.read_fd: Optional[int] = None
         self.direct = False
@@ -167,7 +185,7 @@ class CacheFile:
             os.rename(self.path, self.final_path)
             _LIVE.discard(self.path)
             _LIVE.add(self.final_path)
-            self.path = self.final_path
+            self.path = self._state["path"] = self.final_path
         if self.read_fd is None:
             try:
                 self.read_fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
@@ -175,6 +193,7 @@ class CacheFile:
             except OSError:  # EINVAL: this filesystem has no O_DIRECT
                 self.read_fd = os.open(self.path, os.O_RDONLY)
                 self.direct = False
+            self._state["fds"].append(self.read_fd)
 
     def view(self, offset: int, nbytes: int) -> torch.Tensor:
         """The region as a tensor over a private mapping of the file: reads fault pages in (reclaimable page
@@ -201,15 +220,5 @@ class CacheFile:
 
     def close(self) -> None:
         """Close and delete the file (mapped regions stay readable until their tensors go)."""
-        for fd in (self.read_fd, self.fd):
-            if fd is not None:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
+        self._finalizer()
         self.read_fd = self.fd = None
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
-        _LIVE.discard(self.path)
