@@ -68,11 +68,12 @@ def _available(monkeypatch, nbytes):
     monkeypatch.setattr("layerwise_offload.offload.manager.available_host_bytes", lambda: nbytes)
 
 
-def test_the_node_refuses_only_what_packing_really_adds(monkeypatch):
+def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
     """Packing frees ComfyUI's copy block by block: one block (and the slack) free is enough, far below the model
     size or the old 512 MiB margin. Where the copy is held elsewhere too, packing adds the whole model: refused
     with its settings and the disk tier named, and with host_store = disk the same host runs it, bitwise."""
     from layerwise_offload.offload.disk_budget import PACKING_SLACK_BYTES
+    monkeypatch.setenv("LAYERWISE_OFFLOAD_DISK_DIR", str(tmp_path))
     want = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
     model = tiny_dits.build_tiny("wan21")
     block = sum(p.nbytes for p in model.get_model_object("diffusion_model").blocks[0].parameters())
