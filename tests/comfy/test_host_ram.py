@@ -101,7 +101,14 @@ def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
     assert "raising it does not help" in message
     offloaded = offload_model(model, 2, 1, "strided", True, "disk")
     assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want)
-    assert controller_of(offloaded).manager.host_tiers() == ["disk"] * len(blocks)
+    controller = controller_of(offloaded)
+    assert controller.manager.host_tiers() == ["disk"] * len(blocks)
+    states = controller.block_states()  # what the Stats node's block map draws
+    assert (states.count("resident"), states.count("disk"), states.count("streamed")) == (2, len(blocks) - 2, 0)
+    figures = controller.last_report.figures()  # the run line and the stats text
+    stored = sum(controller.manager.block_nbytes())
+    assert f"{len(blocks)} blocks on disk: " in figures and "read per forward at" in figures, figures
+    assert controller.last_report.disk_bytes_read >= stored - sum(controller.manager.block_nbytes()[:2])
     del held
 
 
