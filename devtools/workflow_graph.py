@@ -55,7 +55,7 @@ SPECS: Dict[str, Tuple[List[Tuple[str, str]], List[Tuple[str, str]], List[str]]]
     "LoadTrainingDataset": ([], [("latents", "LATENT"), ("conditioning", "CONDITIONING")], ["folder_name"]),
     "SaveLatent": ([("samples", "LATENT")], [], ["filename_prefix"]),
     NODE_ID: ([("model", "MODEL")], [("MODEL", "MODEL")],
-              ["resident_layers", "prefetch_size", "residency_policy", "pin_memory"]),
+              ["resident_layers", "prefetch_size", "residency_policy", "pin_memory", "host_store"]),
     STATS_ID: ([("model", "MODEL"), ("after", "LATENT")], [("STRING", "STRING")], []),
     "MarkdownNote": ([], [], ["text"]),
     "Note": ([], [], ["text"]),
@@ -309,7 +309,7 @@ AUTO = -1
 
 
 def _offload(g: Graph, pos, resident: int = AUTO, prefetch: int = 1, title: Optional[str] = None) -> Dict[str, Any]:
-    return g.add(NODE_ID, pos, [resident, prefetch, "leading", True], size=(320, 154), title=title,
+    return g.add(NODE_ID, pos, [resident, prefetch, "leading", True, "auto"], size=(320, 154), title=title,
                  color=OFFLOAD_COLOR)
 
 

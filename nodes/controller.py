@@ -141,7 +141,10 @@ class OffloadController:
     def host_ram_bytes(self) -> int:
         """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
         host = sum(t.nelement() * t.element_size() for t in self._non_block_tensors() if t.device.type == "cpu")
-        return host + sum(self.manager.block_nbytes())
+        disk = self.manager._disk  # blocks in the disk tier's file hold only its staging ring in RAM
+        staging = disk.ring_bytes if disk is not None else 0
+        tiers = self.manager.host_tiers()
+        return host + staging + sum(n for n, t in zip(self.manager.block_nbytes(), tiers) if t == "ram")
 
     def loaded_bytes(self) -> int:
         on_device = sum(weight_nbytes(t) for t in self._non_block_tensors()
@@ -392,7 +395,10 @@ class OffloadController:
             steps=getattr(self, "run_steps", 0), prefetch_size=self.manager.config.prefetch_size,
             block_tiers=block_tiers(self.manager), slot_count=slot_count(self.manager),
             demand_copies=after.demand_copies - before.demand_copies, device_type=self.device.type,
-            other_device_bytes=self.loaded_bytes() - after.device_bytes, host_ram_bytes=self.host_ram_bytes())
+            other_device_bytes=self.loaded_bytes() - after.device_bytes, host_ram_bytes=self.host_ram_bytes(),
+            disk_blocks=after.disk_blocks, disk_bytes_read=after.disk_bytes_read - before.disk_bytes_read,
+            disk_seconds=after.disk_read_seconds - before.disk_read_seconds,
+            disk_stall_seconds=after.disk_stall_seconds - before.disk_stall_seconds)
         self.last_report = report
         sizes = self.manager.block_nbytes()
         resident = self.manager.schedule.resident_blocks if self.manager.schedule else ()

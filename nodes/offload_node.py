@@ -9,6 +9,8 @@ import comfy.model_management
 import comfy.patcher_extension
 
 from ..offload import POLICIES, OffloadConfig, resolve_resident_count
+from ..offload.config import HOST_STORES
+from ..offload.host_side import DISK_DIR_ENV
 from .discovery import SUPPORTED_FAMILIES, discover_blocks
 from .dynamic_vram import non_dynamic_patcher, watch_clones
 from .controller import AUTO_RESIDENT, OffloadController
@@ -44,9 +46,16 @@ TOOLTIPS = {
     "pin_memory": (
         "Page-lock the host copy of the blocks for fast asynchronous copies. Turn off when system RAM "
         "is short; copies get slower."),
+    "host_store": (
+        "Where the blocks' host copies live. auto (the default): in RAM while it keeps a safety margin free, "
+        "the rest (the blocks latest in the step) in a cache file on disk, read back ahead of use every step. "
+        "ram: all in RAM (fastest; refused when RAM is short). disk: all on disk, RAM holds only a small "
+        "staging ring (for models bigger than free RAM; needs a fast SSD). The file goes in ComfyUI's temp "
+        "folder (or $" + DISK_DIR_ENV + ") and is deleted when the model is unloaded or ComfyUI exits."),
 }
 
-DEFAULTS = {"resident_layers": AUTO_RESIDENT, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True}
+DEFAULTS = {"resident_layers": AUTO_RESIDENT, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True,
+            "host_store": "auto"}
 MAX_RESIDENT_LAYERS = 4096
 MAX_PREFETCH = 64
 MIN_RESIDENT_LAYERS = AUTO_RESIDENT
@@ -86,15 +95,36 @@ def residency_policy_problem(value) -> "str | None":
     return f"residency_policy must be one of {', '.join(map(repr, POLICIES))}, got {value!r}"
 
 
-def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy="leading", pin_memory=True):
+def host_store_problem(value) -> "str | None":
+    """Why ``value`` is not a host_store choice (checked when the prompt is queued), or None."""
+    if value is None or value in HOST_STORES:
+        return None
+    return f"host_store must be one of {', '.join(map(repr, HOST_STORES))}, got {value!r}"
+
+
+def disk_folder() -> str:
+    """The disk tier's folder: $LAYERWISE_OFFLOAD_DISK_DIR, else ComfyUI's temp folder (on the install's disk;
+    ComfyUI empties it at start and exit, so a killed server's file does not outlive the next start)."""
+    chosen = os.environ.get(DISK_DIR_ENV)
+    if chosen:
+        return chosen
+    import folder_paths
+    return os.path.join(folder_paths.get_temp_directory(), "layerwise-offload")
+
+
+def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy="leading", pin_memory=True,
+                  host_store="auto"):
     """The node's work: a clone of ``model`` whose transformer blocks are managed by the offload."""
+    problem = host_store_problem(host_store)
+    if problem is not None:
+        raise ValueError(f"[layerwise-offload] {problem}")
     # Page-locking only speeds up copies to an accelerator; on the CPU loopback it would only warn.
     auto = resident_layers == AUTO_RESIDENT
     if auto:
         resident_layers = 0  # until the first forward, when the free VRAM and the latent are known
     pin = bool(pin_memory) and not comfy.model_management.is_device_cpu(model.load_device)
     config = OffloadConfig(resident_layers=resident_layers, prefetch_size=prefetch_size,
-                           policy=residency_policy, pin_memory=pin)
+                           policy=residency_policy, pin_memory=pin, host_store=host_store)
     discover_blocks(model.get_model_object("diffusion_model"))  # a non-DiT fails here, before anything else
     support = device_support(model.load_device)
     if not support.offloads:
@@ -104,16 +134,18 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     diffusion_model = model.get_model_object("diffusion_model")
     discovered = discover_blocks(diffusion_model)
     controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto)
+    controller.manager.disk_folder = disk_folder()
+    # Planned under this output's host_store: the shared manager may still hold another output's settings.
     refusal = controller.manager.host_memory_shortfall(
         f"{DISPLAY_NAME}: resident_layers={-1 if auto else resident_layers}, prefetch_size={prefetch_size}, "
-        f"residency_policy={residency_policy}, pin_memory={pin_memory}")
+        f"residency_policy={residency_policy}, pin_memory={pin_memory}, host_store={host_store}", host_store)
     if refusal is not None:  # here, so ComfyUI reports it against this node and its settings, not the sampler
         raise MemoryError(refusal)
-    log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, %s",
+    log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, %s, host_store=%s",
              type(diffusion_model).__name__, discovered.family, len(discovered), "+".join(discovered.attributes),
              "auto" if auto else resolve_resident_count(config.resident_layers, len(discovered)), prefetch_size,
              residency_policy, "pinned RAM" if pin else "CPU loopback: nothing to pin" if support.device_type == "cpu"
-             else "pin_memory off")
+             else "pin_memory off", host_store)
     offloaded = make_offloaded_clone(model, controller)
     watch_clones(offloaded)
     return offloaded
@@ -131,5 +163,5 @@ def passed_through(model, support):
     return clone
 
 
-__all__ = ["offload_model", "offload_stats", "offload_stats_text", "stats_ui", "residency_policy_problem", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
+__all__ = ["offload_model", "offload_stats", "offload_stats_text", "stats_ui", "residency_policy_problem", "host_store_problem", "HOST_STORES", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
            "POLICIES", "CPU_LOOPBACK_ENV"]

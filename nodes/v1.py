@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
                            MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, offload_model, stats_ui)
+                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, offload_model, stats_ui)
 
 
 class LayerwiseOffloadV1:
@@ -24,10 +24,12 @@ class LayerwiseOffloadV1:
             "residency_policy": (list(POLICIES), {"default": DEFAULTS["residency_policy"],
                                                   "tooltip": TOOLTIPS["residency_policy"]}),
             "pin_memory": ("BOOLEAN", {"default": DEFAULTS["pin_memory"], "tooltip": TOOLTIPS["pin_memory"]}),
+        }, "optional": {  # optional: API prompts written before it existed still validate (default: auto)
+            "host_store": (list(HOST_STORES), {"default": DEFAULTS["host_store"], "tooltip": TOOLTIPS["host_store"]}),
         }}
 
-    def apply(self, model, resident_layers, prefetch_size, residency_policy, pin_memory):
-        return (offload_model(model, resident_layers, prefetch_size, residency_policy, pin_memory),)
+    def apply(self, model, resident_layers, prefetch_size, residency_policy, pin_memory, host_store="auto"):
+        return (offload_model(model, resident_layers, prefetch_size, residency_policy, pin_memory, host_store),)
 
 
 class LayerwiseOffloadStatsV1:

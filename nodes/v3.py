@@ -6,7 +6,8 @@ from comfy_api.latest import ComfyExtension, io
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
                            MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, offload_model, residency_policy_problem, stats_ui)
+                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, offload_model,
+                           residency_policy_problem, stats_ui)
 
 
 class LayerwiseOffload(io.ComfyNode):
@@ -26,19 +27,24 @@ class LayerwiseOffload(io.ComfyNode):
                 io.Combo.Input("residency_policy", options=list(POLICIES), default=DEFAULTS["residency_policy"],
                                tooltip=TOOLTIPS["residency_policy"]),
                 io.Boolean.Input("pin_memory", default=DEFAULTS["pin_memory"], tooltip=TOOLTIPS["pin_memory"]),
+                # Optional: API prompts written before it existed still validate (default: auto).
+                io.Combo.Input("host_store", options=list(HOST_STORES), default=DEFAULTS["host_store"],
+                               tooltip=TOOLTIPS["host_store"], optional=True),
             ],
             outputs=[io.Model.Output(tooltip="The same model with its transformer blocks offloaded.")],
         )
 
     @classmethod
-    def validate_inputs(cls, residency_policy=None) -> bool | str:
+    def validate_inputs(cls, residency_policy=None, host_store=None) -> bool | str:
         # ComfyUI 0.3.75 does not check V3 combo values itself; a wrong one must fail when queued, not mid-run.
-        # Only this input is named, so ComfyUI still checks the others' types and limits.
-        return residency_policy_problem(residency_policy) or True
+        # Only the combos are named, so ComfyUI still checks the others' types and limits.
+        return residency_policy_problem(residency_policy) or host_store_problem(host_store) or True
 
     @classmethod
-    def execute(cls, model, resident_layers, prefetch_size, residency_policy, pin_memory) -> io.NodeOutput:
-        return io.NodeOutput(offload_model(model, resident_layers, prefetch_size, residency_policy, pin_memory))
+    def execute(cls, model, resident_layers, prefetch_size, residency_policy, pin_memory,
+                host_store="auto") -> io.NodeOutput:
+        return io.NodeOutput(offload_model(model, resident_layers, prefetch_size, residency_policy, pin_memory,
+                                           host_store))
 
 
 class LayerwiseOffloadStats(io.ComfyNode):

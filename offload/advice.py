@@ -21,14 +21,14 @@ TIER_WORDS = {RESIDENT: "in VRAM", STREAMED: "streamed from RAM", ON_DISK: "stre
 
 
 def block_tiers(manager) -> str:
-    """The manager's plan as one letter per block in call order (``TIER_WORDS``). A host store that keeps some
-    blocks on disk says so with ``block_on_disk(index)``."""
+    """The manager's plan as one letter per block (``TIER_WORDS``): resident, or streamed from the host tier
+    it lives in (RAM, or the disk tier's file)."""
     schedule = manager.schedule
     if schedule is None:
         return ""
     resident = set(schedule.resident_blocks)
-    on_disk = getattr(manager.store, "block_on_disk", None)
-    return "".join(RESIDENT if i in resident else ON_DISK if on_disk is not None and on_disk(i) else STREAMED
+    tiers = manager.host_tiers()
+    return "".join(RESIDENT if i in resident else ON_DISK if tiers[i] == "disk" else STREAMED
                    for i in range(manager.num_blocks))
 
 
@@ -75,6 +75,23 @@ class RunReport:
     device_type: str = "cuda"
     other_device_bytes: int = 0  # this model's weights outside the blocks, on the device
     host_ram_bytes: int = 0  # RAM this model holds (the host store and the weights left on the host)
+    disk_blocks: int = 0  # blocks whose host copy lives in the disk tier's file
+    disk_bytes_read: int = 0  # read from that file during the run
+    disk_seconds: float = 0.0  # wall time with a read in flight
+    disk_stall_seconds: float = 0.0  # time copies waited for reads
+
+    @property
+    def disk_gbps(self) -> float:
+        return self.disk_bytes_read / self.disk_seconds / 1e9 if self.disk_seconds > 0 else 0.0
+
+    def disk_figures(self) -> str:
+        """The disk tier's part of the run line (empty when no block is on disk)."""
+        if not self.disk_blocks:
+            return ""
+        per_step = int(self.disk_bytes_read / self.step_count) if self.step_count else 0
+        return (f"{self.disk_blocks} blocks on disk: {format_bytes(per_step)} read per {self.step_word} at "
+                f"{self.disk_gbps:.2f} GB/s, waited {seconds(self.per_step(self.disk_stall_seconds))} per "
+                f"{self.step_word} for reads")
 
     @property
     def gbps(self) -> float:
@@ -183,7 +200,8 @@ class RunReport:
     def figures(self) -> str:
         """The run line: headline, copies, memory and notes in one line."""
         count = f"{self.step_count} {self.step_word}{'s' if self.step_count != 1 else ''}"
-        return "; ".join([f"{count}, {self.headline()}", self.copy_line(), self.memory_line(), *self.notes()])
+        return "; ".join([f"{count}, {self.headline()}", self.copy_line(),
+                          *filter(None, [self.disk_figures()]), self.memory_line(), *self.notes()])
 
 
 def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
@@ -206,6 +224,10 @@ def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
     if not report.asynchronous:
         return (f"copies took {report.stall_fraction:.0%} of the run; on a GPU they run behind compute, here "
                 f"each block kept resident removes its copy")
+    if report.disk_blocks and report.run_seconds > 0 and report.disk_stall_seconds / report.run_seconds >= HIDDEN_STALL_FRACTION:
+        return (f"stalled {report.disk_stall_seconds / report.run_seconds:.0%} of the run waiting for disk reads: "
+                f"fewer blocks on disk helps (free host RAM for host_store = auto, or an fp8/GGUF checkpoint), "
+                f"or a faster disk for the cache file")
     if report.stall_fraction >= HIDDEN_STALL_FRACTION:
         return (f"waiting took {report.stall_fraction:.0%} of the run: raise resident_layers "
                 f"(or prefetch_size) if VRAM allows")

@@ -12,6 +12,7 @@ log = logging.getLogger("layerwise_offload")
 
 POLICIES = ("leading", "strided")
 RELEASED_PARAMS = ("placeholder", "host")
+HOST_STORES = ("auto", "ram", "disk")
 
 ResidentLayers = Union[int, float]
 
@@ -62,6 +63,9 @@ class OffloadConfig:
         makes any use of a released block fail loudly; ``host`` (views of the host store) keeps the
         module a valid, partly offloaded model for code that runs it without the hooks, such as
         ComfyUI loading a sibling clone of the same model.
+    host_store: where the blocks' host copies live. ``ram`` (the host store); ``disk`` (a packed cache file,
+        read back ahead of use through a small staging ring, see disk_tier.py); ``auto`` keeps them in RAM while
+        the host keeps a margin free and puts the rest on disk, the blocks latest in the step first.
     """
 
     resident_layers: ResidentLayers = 0
@@ -70,6 +74,7 @@ class OffloadConfig:
     pin_memory: Optional[bool] = None
     measure_time: bool = True
     released_params: str = "placeholder"
+    host_store: str = "ram"
 
     def __post_init__(self):
         _check_resident_layers(self.resident_layers)
@@ -83,5 +88,7 @@ class OffloadConfig:
         if self.released_params not in RELEASED_PARAMS:
             raise ValueError(f"released_params must be one of {', '.join(RELEASED_PARAMS)}, "
                              f"got {self.released_params!r}")
+        if self.host_store not in HOST_STORES:
+            raise ValueError(f"host_store must be one of {', '.join(HOST_STORES)}, got {self.host_store!r}")
         if self.pin_memory not in (None, True, False):
             raise ValueError(f"pin_memory must be True, False or None (automatic), got {self.pin_memory!r}")

@@ -3,23 +3,37 @@
 from __future__ import annotations
 
 import logging
+import os
+import tempfile
 from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .disk_budget import PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers
+from .disk_file import padded
+from .disk_tier import DiskTier
 from .host_memory import pinnable_bytes
 from .pinning import return_freed_host_memory
-from .host_store import HostStore, block_parameters, params_are_inference, plan_layout
+from .host_store import HostStore, _packed_sources, block_parameters, params_are_inference, plan_layout
 from .tensor_subclass import point_param_at, weight_pointer
 
 log = logging.getLogger("layerwise_offload")
 
-# Never let the host store take the host below this much available memory: fail with a clear error instead.
-HOST_OOM_MARGIN_BYTES = 512 * 2**20
+DISK_DIR_ENV = "LAYERWISE_OFFLOAD_DISK_DIR"
+
+
+def default_disk_folder() -> str:
+    """Where the disk tier writes when nobody chose: $LAYERWISE_OFFLOAD_DISK_DIR, else the system temp folder."""
+    return os.environ.get(DISK_DIR_ENV) or os.path.join(tempfile.gettempdir(), "layerwise-offload")
 
 
 class HostSideMixin:
-    """The host half of :class:`LayerwiseOffloadManager`: packing, pinning policy, resync."""
+    """The host half of :class:`LayerwiseOffloadManager`: packing (into RAM or the disk tier), pinning, resync."""
+
+    _disk: Optional[DiskTier] = None  # the disk tier's file and staging ring, while some block lives on disk
+    _store_mode: Optional[str] = None  # the host_store setting the store was packed under
+    _tier_plan: Optional[TierPlan] = None
+    disk_folder: Optional[str] = None  # None: default_disk_folder()
 
     def prepare(self, progress: Optional[Callable[[int, int], None]] = None) -> List[int]:
         """Build the host store from the blocks' current parameters, or bring it up to date.
@@ -30,22 +44,93 @@ class HostSideMixin:
         ``progress(done, total)`` is called after each packed block (a UI progress bar).
         """
         inference = bool(block_parameters(self.blocks[0])) and block_parameters(self.blocks[0])[0][1].is_inference()
-        if self.store is None or inference != self.inference_tensors:
+        old_disk = None
+        if self.store is None or inference != self.inference_tensors or self._store_mode != self.config.host_store:
             # Parameters made under inference_mode (ComfyUI loads models inside it) are inference
             # tensors and accept only inference tensors as .data: every buffer follows their kind.
+            # A new host_store setting repacks every block from where it is now (RAM or the old file).
             self.inference_tensors = inference
             if self.armed:
                 self.release_all()
             if self.store is not None:
+                if self.store.built:  # released blocks may point at placeholders: repack from the old copies
+                    for index in range(self.num_blocks):
+                        self._point_at(index, self.store.weight_views(index))
                 self.store.clear()
+            old_disk, self._disk = self._disk, None
             self.store = HostStore([plan_layout(named) for named in self._named_params], self.pinner)
+            self._store_mode = self.config.host_store
             changed = list(range(self.num_blocks))
         else:
             changed = [i for i in range(self.num_blocks) if not self._block_is_ours(i)]
         if changed and self.armed:
             self.release_all()
+        if changed:
+            self._tier_plan = self._plan_tiers(changed)
+            if self._tier_plan.disk_blocks:
+                log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s) in %s", self._tier_plan.disk_blocks,
+                         self.num_blocks, self._tier_plan.reason, self.disk_folder or default_disk_folder())
         self._pack_blocks(changed, progress)
+        if old_disk is not None:
+            old_disk.close()
         return changed
+
+    # ----------------------------------------------------------------- tiers
+    def _plan_tiers(self, waiting: Sequence[int], mode: Optional[str] = None) -> TierPlan:
+        """Which blocks' host copies go to disk under ``config.host_store``, and what packing ``waiting`` costs."""
+        waiting_set = set(waiting)
+        named = [block_parameters(block) for block in self.blocks]
+        sizes = [plan_layout(n).nbytes for n in named]
+        freed = [freed_by_packing([p for _, p in n]) if i in waiting_set else 0 for i, n in enumerate(named)]
+        disk = self._disk
+        ring = self._ring_size()
+        return plan_host_tiers(
+            sizes, freed, mode or self.config.host_store, self.available_host_bytes(),
+            ring_bytes=lambda tiers: ring * max((padded(s) for s, d in zip(sizes, tiers) if d), default=0),
+            margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(self.num_blocks)],
+            already_disk=[disk is not None and disk.holds(i) for i in range(self.num_blocks)])
+
+    def _ring_size(self) -> int:
+        return self.config.prefetch_size + 2  # the copies in flight, plus reads ahead of them
+
+    def _disk_tier(self, expected_bytes: int) -> DiskTier:
+        if self._disk is None:
+            pinner = self.pinner if self.pin_memory else None
+            self._disk = DiskTier(self.disk_folder or default_disk_folder(), self._ring_size(), pinner=pinner,
+                                  expected_bytes=expected_bytes)
+        return self._disk
+
+    def host_tiers(self) -> List[str]:
+        """Where each block's host copy lives now: "ram" or "disk" (before packing: the tier it will get)."""
+        if self.store is None or not self.store.built:
+            plan = self._plan_tiers(range(self.num_blocks))
+            return ["disk" if d else "ram" for d in plan.disk]
+        return ["disk" if self._disk is not None and self._disk.holds(i) else "ram" for i in range(self.num_blocks)]
+
+    def _copy_source(self, index: int) -> torch.Tensor:
+        """The host tensor block ``index`` is copied from: its store buffer, or the staging buffer it was read into."""
+        disk = self._disk
+        if disk is None or not disk.holds(index):
+            return self.store.buffers[index]
+        ahead = self._disk_lookahead(index)
+        source = disk.source(index, protect=ahead)
+        disk.read_ahead(ahead)
+        return source
+
+    def _copy_sourced(self, index: int, handle) -> None:
+        if self._disk is not None and self._disk.holds(index):
+            self._disk.copied(index, handle)
+
+    def _disk_lookahead(self, index: int) -> List[int]:
+        """The disk blocks the model runs after ``index``, as far as the ring reaches (learned call order first)."""
+        if self.schedule is None:
+            return []
+        count = self.config.prefetch_size + self._ring_size()
+        order = self._order
+        position = order.locate(index, self._expected) if order is not None else None
+        upcoming = (order.window(position, count) if position is not None
+                    else self.schedule.upcoming_streamed(index, count))
+        return [i for i in upcoming if i != index and self._disk.holds(i)]
 
     def repack_block(self, index: int) -> None:
         """Re-read one block's parameters (new objects or new values) into the host store."""
@@ -59,10 +144,14 @@ class HostSideMixin:
     def _pack_blocks(self, indices: Sequence[int], progress=None) -> None:
         for done, index in enumerate(indices, 1):
             self._pack(index)
+            # The CPU weights packing replaced: glibc keeps freed heap pages unless trimmed, and on a host
+            # short of RAM the next block's buffer must find them returned.
+            return_freed_host_memory()
             if progress is not None:
                 progress(done, len(indices))
         if indices:
-            return_freed_host_memory()  # the CPU weights packing replaced
+            if self._disk is not None:
+                self._disk.finish()
             self._sync_pinning()
 
     def _sync_pinning(self, schedule=None) -> None:
@@ -76,7 +165,8 @@ class HostSideMixin:
         if store is None or not store.built:
             return
         schedule = schedule or self.schedule or self._make_schedule()
-        streamed = list(schedule.streamed_blocks) if self.pin_memory else []
+        disk = self._disk
+        streamed = [i for i in schedule.streamed_blocks if disk is None or not disk.holds(i)] if self.pin_memory else []
         sizes = {i: store.buffers[i].numel() for i in streamed}
         requested = sum(sizes.values())
         chosen = set()
@@ -102,6 +192,8 @@ class HostSideMixin:
                 store.set_pinned(index, index in chosen)
 
     def _copy_is_pageable(self, index: int) -> bool:
+        if self._disk is not None and self._disk.holds(index):
+            return self.backend.asynchronous and not self._disk.pinned
         return self.backend.asynchronous and not self.store.is_pinned(index)
 
     def _drop_store(self, target: torch.device) -> None:
@@ -113,45 +205,72 @@ class HostSideMixin:
                     point_param_at(weight.param, view)
         self.store.clear()
         self.store = None
+        if self._disk is not None:
+            self._disk.close()
+            self._disk = None
+        self._store_mode = None
         return_freed_host_memory()
 
-    def host_memory_shortfall(self, settings: Optional[str] = None) -> Optional[str]:
-        """Why packing the blocks not in the store yet would take the host below its safety margin, or None.
+    def host_memory_shortfall(self, settings: Optional[str] = None, host_store: Optional[str] = None) -> Optional[str]:
+        """Why packing the blocks not in the store yet would fail for want of host memory, or None.
 
-        Packing replaces ComfyUI's CPU copy block by block, so the peak extra need is one block.
-        ``settings`` names the caller's settings in the message (the node's inputs, say).
+        Counts what packing really adds: each block's buffer less the bytes of ComfyUI's copy it frees, one
+        block above that at the peak, and the disk tier's staging ring where blocks go to disk
+        (:mod:`.disk_budget`). ``settings`` names the caller's settings in the message (the node's inputs, say);
+        ``host_store`` plans under that setting instead of the manager's own.
         """
-        waiting = [i for i in range(self.num_blocks) if self.store is None or self.store.buffers[i] is None]
+        mode = host_store or self.config.host_store
+        stale = self.store is None or self._store_mode != mode
+        waiting = [i for i in range(self.num_blocks) if stale or self.store.buffers[i] is None]
         if not waiting:
             return None
-        sizes = self.block_nbytes()
-        index = max(waiting, key=lambda i: sizes[i])
-        return self._shortfall(index, sizes[index], settings)
-
-    def _shortfall(self, index: int, nbytes: int, settings: Optional[str] = None) -> Optional[str]:
-        available = self.available_host_bytes()
-        if available is None or available >= nbytes + HOST_OOM_MARGIN_BYTES:
+        plan = self._plan_tiers(waiting, mode)
+        missing = plan.shortfall()
+        if missing is None:
             return None
+        return self._refusal(plan, settings)
+
+    def _refusal(self, plan: TierPlan, settings: Optional[str] = None) -> str:
         config = self.config
         settings = settings or (f"resident_layers={config.resident_layers}, prefetch_size={config.prefetch_size}, "
-                                f"pin_memory={self.pin_memory}")
-        return (f"[layerwise-offload] host memory is short: block {index} needs {nbytes / 2**20:.0f} MiB but only "
-                f"{available / 2**20:.0f} MiB is available, with a {HOST_OOM_MARGIN_BYTES // 2**20} MiB safety "
-                f"margin ({settings}). Every block is kept in host "
-                f"RAM whatever resident_layers is, so raising it does not help. What helps: unload other models "
-                f"(or restart ComfyUI), a smaller checkpoint or an fp8/GGUF one, pin_memory off (page-locked RAM "
-                f"cannot be swapped out), or more RAM.")
+                                f"pin_memory={self.pin_memory}, host_store={config.host_store}")
+        mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
+        head = (f"[layerwise-offload] host memory is short: packing the blocks needs {mib(plan.peak_bytes)} more "
+                f"at its peak (ComfyUI's copy of each block is freed as it is packed) but only "
+                f"{mib(plan.available_bytes)} is available ({settings}).")
+        if plan.disk_blocks < self.num_blocks:
+            return (f"{head} Every block is kept in host RAM whatever resident_layers is, so raising it does not help. "
+                    f"What helps: host_store = disk (the blocks' host copies live in a cache file on disk, RAM holds "
+                    f"a staging ring of {config.prefetch_size + 2} blocks), unload other models (or restart "
+                    f"ComfyUI), a smaller checkpoint or an fp8/GGUF one, pin_memory off, or more RAM.")
+        return (f"{head} Even with every block on disk the staging ring ({mib(plan.ring_bytes)}) does not fit. "
+                f"What helps: prefetch_size 1, unload other models (or restart ComfyUI), an fp8/GGUF checkpoint, "
+                f"or more RAM.")
 
     def _pack(self, index: int) -> None:
-        nbytes = plan_layout(block_parameters(self.blocks[index])).nbytes
-        refusal = self._shortfall(index, nbytes)
-        if refusal is not None:
-            raise MemoryError(refusal)
+        plan = self._tier_plan
+        on_disk = (self._disk is not None and self._disk.holds(index)) or (plan is not None and plan.disk[index])
+        ring = plan.ring_bytes if plan is not None else 0
+        named = block_parameters(self.blocks[index])
+        nbytes = plan_layout(named).nbytes
+        available = self.available_host_bytes()
+        # What would really fail: the block's new buffer (or the first staging ring) before ComfyUI's copy goes.
+        need = (0 if self._disk is not None else ring) if on_disk else nbytes
+        if available is not None and available < need + PACKING_SLACK_BYTES:
+            tiers = plan.disk if plan is not None else (False,) * self.num_blocks
+            raise MemoryError(self._refusal(TierPlan(tiers, need, need, ring, available, 0)))
         with torch.inference_mode(self.inference_tensors):
             named = block_parameters(self.blocks[index])
             self._named_params[index] = named
-            self.store.layouts[index] = plan_layout(named)
-            self.store.pack_block(index, pin=False)  # page-locked by _sync_pinning, streamed blocks only
+            layout = self.store.layouts[index] = plan_layout(named)
+            if on_disk:
+                self.store.set_pinned(index, False)
+                self.store.buffers[index] = self._disk_tier(sum(self.block_nbytes())).write(
+                    index, layout.nbytes, lambda buffer: _fill(buffer, layout))
+            else:
+                if self._disk is not None:
+                    self._disk.forget(index)
+                self.store.pack_block(index, pin=False)  # page-locked by _sync_pinning, streamed blocks only
             self._drop_views(index)
             self._materialized[index] = False
             self._point_released(index)
@@ -163,3 +282,10 @@ class HostSideMixin:
             return False
         return all(param is known and weight_pointer(param) == pointer
                    for (_, param), (_, known), pointer in zip(named, self._named_params[index], expected))
+
+
+def _fill(buffer: torch.Tensor, layout) -> None:
+    """Pack a block's current parameter bytes into ``buffer`` (what HostStore.pack_block does into its own)."""
+    with torch.no_grad():
+        for view, source in zip(layout.views(buffer), _packed_sources(layout)):
+            view.copy_(source)

@@ -83,10 +83,8 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         self._forwards = 0
         self._forward_bytes = 0
         self._forward_copies = 0
-        self._last_forward_bytes = 0
-        self._last_forward_copies = 0
-        self._peak_materialized = 0
-        self._peak_device_bytes = 0
+        self._last_forward_bytes = self._last_forward_copies = 0
+        self._peak_materialized = self._peak_device_bytes = 0
 
     # ----------------------------------------------------------------- state
     @property
@@ -236,8 +234,10 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
                 views = self._view_cache[(slot, index)] = layout.weight_views(buffer)
             self._slot_owner[slot] = index
             self._block_slot[index] = slot
-        host = self.store.buffers[index]
-        self._pending_copy[index] = self._copy_in(index, buffer.narrow(0, 0, layout.nbytes), host, after, views)
+        # The host side answers where the bytes are: the store's buffer, or a disk block's staging buffer.
+        handle = self._pending_copy[index] = self._copy_in(index, buffer.narrow(0, 0, layout.nbytes),
+                                                           self._copy_source(index), after, views)
+        self._copy_sourced(index, handle)
         self._point_at(index, views)
         self._materialized[index] = True
         self._count_copy(index, layout.nbytes)

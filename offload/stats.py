@@ -28,6 +28,13 @@ class OffloadStats:
     host_bytes_pinned: int  # bytes the pinner granted
     copy_seconds: float  # time copies took (copy stream, or the CPU clock on loopback)
     stall_seconds: float  # time compute waited for copies
+    disk_blocks: int = 0  # blocks whose host copy lives in the disk tier's cache file
+    disk_bytes: int = 0  # their stored bytes (not in host_bytes)
+    disk_bytes_read: int = 0  # read back from the file, since the manager was made
+    disk_reads: int = 0
+    disk_read_seconds: float = 0.0  # wall time with at least one read in flight
+    disk_stall_seconds: float = 0.0  # time the host waited for a read a copy needed
+    staging_bytes: int = 0  # the disk tier's staging ring (host RAM)
 
     @property
     def achieved_gbps(self) -> float:
@@ -42,6 +49,8 @@ class OffloadStats:
 def snapshot(manager, schedule) -> OffloadStats:
     """The counters of ``manager`` under ``schedule`` (its current plan) as one frozen record."""
     m = manager
+    disk = getattr(m, "_disk", None)
+    disk_bytes = disk.nbytes() if disk is not None else 0
     return OffloadStats(
         num_blocks=m.num_blocks,
         resident_blocks=len(schedule.resident_blocks),
@@ -58,10 +67,17 @@ def snapshot(manager, schedule) -> OffloadStats:
         device_bytes=m.device_bytes(),
         peak_device_bytes=m._peak_device_bytes,
         planned_device_bytes=m.planned_device_bytes(schedule),
-        host_bytes=m.store.nbytes() if m.store is not None else 0,
+        host_bytes=m.store.nbytes() - disk_bytes if m.store is not None else 0,
         pinned_host_bytes=m.store.pinned_nbytes() if m.store is not None else 0,
         host_bytes_requested=m.store.ledger.bytes_requested if m.store is not None else 0,
         host_bytes_pinned=m.store.ledger.bytes_pinned if m.store is not None else 0,
         copy_seconds=m.backend.copy_seconds,
         stall_seconds=m.backend.stall_seconds,
+        disk_blocks=len(disk.regions) if disk is not None else 0,
+        disk_bytes=disk_bytes,
+        disk_bytes_read=disk.bytes_read if disk is not None else 0,
+        disk_reads=disk.reads if disk is not None else 0,
+        disk_read_seconds=disk.read_seconds if disk is not None else 0.0,
+        disk_stall_seconds=disk.stall_seconds if disk is not None else 0.0,
+        staging_bytes=disk.ring_bytes if disk is not None else 0,
     )

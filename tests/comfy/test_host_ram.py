@@ -11,6 +11,7 @@ from layerwise_offload.nodes.host_ram import ComfyUIPinner
 from layerwise_offload.nodes.offload_node import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.offload import LayerwiseOffloadManager
+from layerwise_offload.offload.advice import block_tiers
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
 
@@ -65,16 +66,52 @@ def test_comfyuis_ram_cache_sees_the_host_store():
     assert held >= store and f"RAM {format_bytes(held)} held" in figures
 
 
-def test_the_node_refuses_short_host_memory_itself_with_its_settings(monkeypatch):
-    monkeypatch.setattr("layerwise_offload.offload.manager.available_host_bytes", lambda: 100 * 2**20)
+def _available(monkeypatch, nbytes):
+    monkeypatch.setattr("layerwise_offload.offload.manager.available_host_bytes", lambda: nbytes)
+
+
+def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
+    """Packing frees ComfyUI's copy block by block: one block (and the slack) free is enough, far below the model
+    size or the old 512 MiB margin. Where the copy is held elsewhere too, packing adds the whole model: refused
+    with its settings and the disk tier named, and with host_store = disk the same host runs it, bitwise."""
+    from layerwise_offload.offload.disk_budget import PACKING_SLACK_BYTES
+    monkeypatch.setenv("LAYERWISE_OFFLOAD_DISK_DIR", str(tmp_path))
+    want = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
+    model = tiny_dits.build_tiny("wan21")
+    block = sum(p.nbytes for p in model.get_model_object("diffusion_model").blocks[0].parameters())
+    _available(monkeypatch, PACKING_SLACK_BYTES + 2 * block)
+    assert torch.equal(tiny_dits.sample(offload_model(model, 2, 1, "strided", True, "ram"), seed=3), want)
+    mm.unload_all_models()
+
+    # 16 blocks: the disk tier's staging ring (prefetch + 2 blocks) is well below the model.
+    deep = dict(tiny_dits.WAN21_TINY_CONFIG, num_layers=16)
+    want = tiny_dits.sample(tiny_dits._build("WAN21_T2V", deep, 0, torch.float32), seed=3, family="wan21")
+    mm.unload_all_models()
+    model = tiny_dits._build("WAN21_T2V", deep, 0, torch.float32)
+    blocks = model.get_model_object("diffusion_model").blocks
+    held = [p.data for p in blocks.parameters()]  # another holder of ComfyUI's copy (a backup, a sibling model)
+    model_bytes = sum(t.nbytes for t in held)
+    _available(monkeypatch, PACKING_SLACK_BYTES + model_bytes // 2)
     with pytest.raises(MemoryError) as refusal:
-        offload_model(tiny_dits.build_tiny("wan21"), 2, 1, "strided", True)
+        offload_model(model, 2, 1, "strided", True, "ram")
     message = str(refusal.value)
-    assert message.startswith("[layerwise-offload] host memory is short: block ")
-    assert "Layerwise Offload (DiT): resident_layers=2, prefetch_size=1, residency_policy=strided" in message
-    for remedy in ("unload other models", "fp8/GGUF", "pin_memory off", "more RAM"):
+    assert message.startswith("[layerwise-offload] host memory is short: packing the blocks needs ")
+    assert ("Layerwise Offload (DiT): resident_layers=2, prefetch_size=1, residency_policy=strided, pin_memory=True, "
+            "host_store=ram") in message
+    for remedy in ("host_store = disk", "unload other models", "fp8/GGUF", "pin_memory off", "more RAM"):
         assert remedy in message
     assert "raising it does not help" in message
+    offloaded = offload_model(model, 2, 1, "strided", True, "disk")
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want)
+    controller = controller_of(offloaded)
+    assert controller.manager.host_tiers() == ["disk"] * len(blocks)
+    tiers = block_tiers(controller.manager)  # what the Stats node's block map draws
+    assert (tiers.count("R"), tiers.count("D"), tiers.count("S")) == (2, len(blocks) - 2, 0)
+    figures = controller.last_report.figures()  # the run line and the stats text
+    stored = sum(controller.manager.block_nbytes())
+    assert f"{len(blocks)} blocks on disk: " in figures and "read per step at" in figures, figures
+    assert controller.last_report.disk_bytes_read >= stored - sum(controller.manager.block_nbytes()[:2])
+    del held
 
 
 def random_block_lora(patcher, seed=7, rank=2):

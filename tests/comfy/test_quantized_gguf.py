@@ -69,8 +69,10 @@ def weight_kinds(patcher):
             for b in blocks}
 
 
+@pytest.mark.parametrize("host_store", ["ram", "disk"])
 @pytest.mark.parametrize("qtype", GGUF_TYPES)
-def test_gguf_offloaded_equals_comfyui_gguf(gguf, qtype):
+def test_gguf_offloaded_equals_comfyui_gguf(gguf, qtype, host_store, monkeypatch, tmp_path):
+    monkeypatch.setenv("LAYERWISE_OFFLOAD_DISK_DIR", str(tmp_path))
     base = load(gguf, qtype)
     assert weight_kinds(base) == {("GGMLTensor", qtype)}
     want = tiny_dits.sample(base, seed=3, family="wan21")
@@ -82,8 +84,10 @@ def test_gguf_offloaded_equals_comfyui_gguf(gguf, qtype):
     model = load(gguf, qtype)
     for lora, expected in ((False, want), (True, want_lora)):
         for resident, policy in ((0, "leading"), (2, "strided")):
-            offloaded = offload_model(with_lora(model) if lora else model, resident, 1, policy, True)
+            offloaded = offload_model(with_lora(model) if lora else model, resident, 1, policy, True, host_store)
             assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), expected), (lora, resident)
+            assert offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager.host_tiers() == (
+                [host_store] * NUM_BLOCKS)
             assert weight_kinds(offloaded) == {("GGMLTensor", qtype)}
             manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
             stats = manager.stats()

@@ -86,8 +86,10 @@ def test_non_block_quantized_weights_are_counted_at_their_stored_size(fp8_mixed_
     mm.unload_all_models()
 
 
+@pytest.mark.parametrize("host_store", ["ram", "disk"])
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
-def test_fp8_mixed_offloaded_equals_comfyui(fp8_mixed_file, lora):
+def test_fp8_mixed_offloaded_equals_comfyui(fp8_mixed_file, lora, host_store, monkeypatch, tmp_path):
+    monkeypatch.setenv("LAYERWISE_OFFLOAD_DISK_DIR", str(tmp_path))
     base = load(fp8_mixed_file)
     want = tiny_dits.sample(with_lora(base) if lora else base, seed=3, family="wan21")
     mm.unload_all_models()
@@ -96,9 +98,10 @@ def test_fp8_mixed_offloaded_equals_comfyui(fp8_mixed_file, lora):
         mm.unload_all_models()
     model = load(fp8_mixed_file)
     for resident, prefetch, policy in [(0, 1, "leading"), (2, 1, "strided"), (99, 1, "leading")]:
-        offloaded = offload_model(with_lora(model) if lora else model, resident, prefetch, policy, True)
+        offloaded = offload_model(with_lora(model) if lora else model, resident, prefetch, policy, True, host_store)
         assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want), (resident, policy)
         manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
+        assert manager.host_tiers() == [host_store] * NUM_BLOCKS
         stats = manager.stats()
         streamed = [i for i in range(NUM_BLOCKS) if not manager.schedule.resident[i]]
         assert stats.copies_last_forward == len(streamed)

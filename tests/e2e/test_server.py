@@ -66,6 +66,7 @@ def test_object_info_describes_the_node(object_info):
     req = info["input"]["required"]
     assert list(info["input_order"]["required"]) == [
         "model", "resident_layers", "prefetch_size", "residency_policy", "pin_memory"]
+    assert list(info["input_order"]["optional"]) == ["host_store"]  # old API prompts without it still validate
     assert req["model"][0] == "MODEL"
     typ, opts = req["resident_layers"]
     assert (typ, opts["default"]) == ("INT", -1)
@@ -79,8 +80,11 @@ def test_object_info_describes_the_node(object_info):
     assert list(options) == ["leading", "strided"] and opts.get("default", "leading") == "leading"
     typ, opts = req["pin_memory"]
     assert (typ, opts["default"]) == ("BOOLEAN", True)
-    for name in ("model", "resident_layers", "prefetch_size", "residency_policy", "pin_memory"):
-        spec = req[name]
+    typ, opts = info["input"]["optional"]["host_store"]
+    options = typ if isinstance(typ, list) else opts["options"]
+    assert list(options) == ["auto", "ram", "disk"] and opts.get("default", "auto") == "auto"
+    for name in ("model", "resident_layers", "prefetch_size", "residency_policy", "pin_memory", "host_store"):
+        spec = req.get(name) or info["input"]["optional"][name]
         tooltip = spec[1].get("tooltip", "") if len(spec) > 1 else ""
         assert len(tooltip) > 20, f"input {name} has no real tooltip: {tooltip!r}"
     assert info.get("description"), "the node has no description"

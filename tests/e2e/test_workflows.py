@@ -72,9 +72,10 @@ def test_offload_sits_between_loader_and_sampler(path):
         src = nodes[links[n["inputs"][0]["link"]][1]]
         assert src["type"] in LOADERS, f"node {n['id']} is fed by {src['type']}"
         assert n["outputs"][0]["links"], f"node {n['id']}'s MODEL output goes nowhere"
-        resident, prefetch, policy, pin = n["widgets_values"]
+        resident, prefetch, policy, pin, host_store = n["widgets_values"]
         assert resident == -1, "shipped workflows start in auto mode; the note gives fixed counts"
         assert prefetch >= 1 and policy in ("leading", "strided") and isinstance(pin, bool)
+        assert host_store == "auto", "shipped workflows keep blocks in RAM while they fit, the rest on disk"
         assert n["properties"].get("cnr_id") == "layerwise-offload"
     for st in (n for n in wf["nodes"] if n["type"] == "LayerwiseOffloadStats"):
         model_src = nodes[links[st["inputs"][0]["link"]][1]]

@@ -1,0 +1,158 @@
+"""What packing the host store really adds to host RAM, and which blocks must live on disk instead.
+
+Packing a block copies its weights into one fresh buffer and then lets ComfyUI's copy go, block by block. So
+the net growth of a block is its packed size minus the bytes of ComfyUI's copy that nobody else holds (a LoRA
+backup or another model sharing the storage keeps it alive), and the peak is one block above the running net
+growth (the new buffer exists before the old copy is freed). A block whose host copy lives on disk adds nothing
+once written; the disk tier's staging ring is allocated once, before the first such block.
+
+The auto tier (``host_store="auto"``) keeps blocks in RAM while the host keeps ``margin`` free after packing,
+and puts the rest on disk, the blocks latest in the step first (the leading ones are the residents, read back
+most often when ComfyUI asks for VRAM back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from .config import HOST_STORES
+
+__all__ = ["HOST_STORES", "PACKING_SLACK_BYTES", "RAM_MARGIN_BYTES", "TierPlan", "freed_by_packing",
+           "plan_host_tiers"]
+
+
+# Allocator rounding, Python objects, the packing loop's own temporaries: what packing may take beyond its bytes.
+PACKING_SLACK_BYTES = 64 * 2**20
+# Auto keeps this much host memory free after packing (ComfyUI, the sampler and the OS still need some).
+RAM_MARGIN_BYTES = 512 * 2**20
+
+
+def _holders(tensor: torch.Tensor, out: List[torch.Tensor]) -> None:
+    """The plain tensor objects that hold a weight's storage (a wrapper subclass's inner tensors)."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            _holders(getattr(tensor, name), out)
+    else:
+        out.append(tensor)
+
+
+def freed_by_packing(params: Sequence[torch.Tensor]) -> int:
+    """Host bytes freed once ``params`` (one block's weights) point into the store instead of their storages.
+
+    A storage is freed when the block's own tensors are its only holders: PyTorch's storage use count then equals
+    their number (plus the one reference this function holds while it counts). Device storages free no host
+    memory. Without the use-count API (a PyTorch that lacks it) every host storage is taken as freed, which is
+    what packing does to weights nobody else shares.
+    """
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    holders: List[torch.Tensor] = []
+    for param in params:
+        _holders(param, holders)
+    storages = {}
+    for tensor in holders:
+        if tensor.device.type != "cpu":
+            continue
+        storage = tensor.untyped_storage()
+        entry = storages.setdefault(storage.data_ptr(), [storage, 0])
+        entry[1] += 1
+    freed = 0
+    for storage, ours in storages.values():
+        if use_count is None or use_count(storage._cdata) <= ours + 1:
+            freed += storage.nbytes()
+    return freed
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """Where each block's host copy goes, and what packing them all takes from host RAM.
+
+    disk: per block, whether its host copy lives on disk. peak_bytes: the most packing adds at any moment
+    (ring included); growth_bytes: what it adds once done (negative: it frees more than it takes).
+    available_bytes: the host memory available when planned (None: unknown). reason: why blocks are on disk.
+    """
+
+    disk: Tuple[bool, ...]
+    peak_bytes: int
+    growth_bytes: int
+    ring_bytes: int
+    available_bytes: Optional[int]
+    margin_bytes: int
+    reason: str = ""
+
+    @property
+    def disk_blocks(self) -> int:
+        return sum(self.disk)
+
+    def shortfall(self, slack: int = PACKING_SLACK_BYTES) -> Optional[int]:
+        """Bytes missing for packing to complete (None: it fits, or the available memory is unknown)."""
+        if self.available_bytes is None:
+            return None
+        missing = self.peak_bytes + slack - self.available_bytes
+        return missing if missing > 0 else None
+
+
+def _costs(sizes: Sequence[int], freed: Sequence[int], disk: Sequence[bool], ring_bytes: int) -> Tuple[int, int]:
+    """(peak, final growth) of packing blocks in index order with ``disk`` tiers."""
+    running, peak = 0, 0
+    ring_taken = False
+    for size, gone, on_disk in zip(sizes, freed, disk):
+        if on_disk:
+            if not ring_taken:
+                running += ring_bytes
+                ring_taken = True
+            # Written through a staging buffer; the page cache of the write is dropped after each block.
+            peak = max(peak, running + size)
+            running -= gone
+        else:
+            peak = max(peak, running + size)
+            running += size - gone
+    return max(peak, running), running
+
+
+def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, available: Optional[int],
+                    ring_bytes: Optional[Callable[[Tuple[bool, ...]], int]] = None, margin: int = RAM_MARGIN_BYTES,
+                    waiting: Optional[Sequence[bool]] = None, already_disk: Sequence[bool] = ()) -> TierPlan:
+    """Choose each block's tier for ``mode`` (auto | ram | disk) and the cost of packing.
+
+    ``sizes``: packed bytes per block; ``freed``: bytes of ComfyUI's copy each block's packing frees;
+    ``ring_bytes(disk)``: the staging ring's bytes for a tier choice; ``waiting``: blocks not packed yet (the
+    others cost nothing more and keep their tier, ``already_disk``).
+    """
+    if mode not in HOST_STORES:
+        raise ValueError(f"host_store must be one of {', '.join(HOST_STORES)}, got {mode!r}")
+    n = len(sizes)
+    waiting = tuple(waiting) if waiting is not None else (True,) * n
+    fixed = tuple(already_disk) + (False,) * (n - len(already_disk))
+    ring = ring_bytes or (lambda disk: 0)
+
+    def plan(disk: Tuple[bool, ...], reason: str = "") -> TierPlan:
+        costs = [(s, f, d) for s, f, d, w in zip(sizes, freed, disk, waiting) if w]
+        needs_ring = any(d for _, _, d in costs) and not any(fixed)
+        peak, growth = _costs([c[0] for c in costs], [c[1] for c in costs], [c[2] for c in costs],
+                              ring(disk) if needs_ring else 0)
+        return TierPlan(disk, peak, growth, ring(disk) if any(disk) else 0, available, margin, reason)
+
+    if mode == "ram":
+        return plan(tuple(f and not w for f, w in zip(fixed, waiting)))
+    if mode == "disk":
+        return plan((True,) * n, "host_store = disk")
+    disk = [f and not w for f, w in zip(fixed, waiting)]
+    best = plan(tuple(disk))
+    if available is None or available - best.growth_bytes >= margin:
+        return best
+    for index in reversed(range(n)):
+        if disk[index] or not waiting[index]:
+            continue
+        disk[index] = True
+        best = plan(tuple(disk))
+        if available - best.growth_bytes >= margin:
+            break
+    free_after = available - best.growth_bytes
+    reason = (f"host RAM: {available / 2**20:.0f} MiB available, {margin / 2**20:.0f} MiB kept free; "
+              f"{free_after / 2**20:.0f} MiB left with {best.disk_blocks} blocks on disk")
+    return TierPlan(best.disk, best.peak_bytes, best.growth_bytes, best.ring_bytes, available, margin, reason)

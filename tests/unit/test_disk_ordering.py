@@ -1,0 +1,203 @@
+"""The disk tier's stage checked for races without a GPU or a slow disk: vector clocks over four actors.
+
+The real StreamBackend and DiskTier run over a stand-in for ``torch.cuda`` whose streams and events keep vector
+clocks, as in test_stream_ordering.py, plus the host thread and the disk: an op a stream runs was queued by the
+host, so it happens after what the host knew then; the host learns that a copy finished only from its event
+(``query``/``synchronize``), and that a read finished only by waiting for it. Reads and copies run for real, so
+the output is checked bitwise too. The two rules: a staging buffer is copied to the device only after its disk
+read finished, and a new read into a staging buffer starts only after every copy from it finished.
+"""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from layerwise_offload.devtools.toy_transformer import ToyTransformer
+from layerwise_offload.offload import LayerwiseOffloadManager, disk_tier
+from layerwise_offload.offload.device_backend import StreamBackend
+
+ACTORS = ("compute", "copy", "host", "disk")
+
+
+def merge(into, other):
+    for actor in ACTORS:
+        into[actor] = max(into[actor], other[actor])
+
+
+def happens_before(a, b):
+    return all(a[s] <= b[s] for s in ACTORS)
+
+
+class Host:
+    def __init__(self):
+        self.clock = {s: 0 for s in ACTORS}
+
+    def tick(self):
+        self.clock["host"] += 1
+        return dict(self.clock)
+
+
+class FakeStream:
+    def __init__(self, name, host):
+        self.name, self.host = name, host
+        self.clock = {s: 0 for s in ACTORS}
+
+    def tick(self):
+        merge(self.clock, self.host.tick())  # queued by the host: after everything it knew
+        self.clock[self.name] += 1
+        return dict(self.clock)
+
+    def wait_event(self, event):
+        if event.clock is not None:
+            merge(self.clock, event.clock)
+
+    def synchronize(self):
+        merge(self.host.clock, self.clock)
+
+
+class FakeEvent:
+    host = None
+
+    def __init__(self, enable_timing=False):
+        self.clock = None
+
+    def record(self, stream):
+        self.clock = stream.tick()
+
+    def synchronize(self):
+        if self.clock is not None:
+            merge(self.host.clock, self.clock)
+
+    def query(self):
+        self.synchronize()  # the fake finishes at once; the host learns it by asking
+        return True
+
+    def elapsed_time(self, other):
+        return 0.0
+
+
+class FakeCudaModule:
+    def __init__(self):
+        self.host = Host()
+        self.Event = type("Event", (FakeEvent,), {"host": self.host})
+        self.compute = FakeStream("compute", self.host)
+        self.current = self.compute
+
+    def Stream(self, device=None):
+        return FakeStream("copy", self.host)
+
+    @contextmanager
+    def stream(self, stream):
+        previous, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = previous
+
+    def current_stream(self, device=None):
+        return self.current
+
+
+class Backend(StreamBackend):
+    def __init__(self, module):
+        self.module, self.device, self.measure_time = module, torch.device("cpu"), True
+        self.copy_stream = module.Stream()
+        self.copy_seconds = self.stall_seconds = 0.0
+        self._pending = []
+        self.copies = []  # (source's first byte, clock at start, clock at end)
+
+    def copy(self, dst, src, after=None, then=None):
+        handle = super().copy(dst, src, after, then)
+        self.copies.append((src.data_ptr(), handle.started.clock, handle.done.clock))
+        return handle
+
+
+class YesPinner:
+    def register(self, tensor):
+        return True
+
+    def unregister(self, tensor):
+        pass
+
+
+def instrument(tier, module, reads):
+    """Record every read into a staging buffer with its clocks; waiting for it teaches the host its end."""
+    start, settle = tier._start, tier._settle
+    ends = {}
+
+    def _start(index, staging):
+        issued = module.host.tick()
+        disk = dict(issued)
+        disk["disk"] = max(c["disk"] for c in [issued] + [r[2] for r in reads]) + 1
+        reads.append((staging.buffer.data_ptr(), issued, disk))
+        ends[id(staging)] = disk
+        start(index, staging)
+
+    def _settle(staging):
+        if staging.future is not None:
+            merge(module.host.clock, ends[id(staging)])
+        settle(staging)
+    tier._start, tier._settle = _start, _settle
+
+
+def run_checked(resident, prefetch, policy, tmp_path, break_with=None):
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = ToyTransformer()(x)
+    model = ToyTransformer()
+    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
+                                      prefetch_size=prefetch, policy=policy, pin_memory=True, host_store="disk")
+    manager.disk_folder = str(tmp_path)
+    manager.pinner = YesPinner()
+    manager.available_host_bytes = lambda: 2**40
+    module = FakeCudaModule()
+    manager.backend = backend = Backend(module)
+    manager.attach(model)
+    reads = []
+    manager.prepare()
+    instrument(manager._disk, module, reads)
+    if break_with is not None:
+        break_with(manager._disk)
+    with torch.no_grad():
+        outputs = [model(x) for _ in range(3)]
+    ring = {s.buffer.data_ptr() for s in manager._disk.ring}
+    events = sorted([(r[1]["host"], "read", r) for r in reads] +
+                    [(c[1]["host"], "copy", c) for c in backend.copies if c[0] in ring], key=lambda e: e[0])
+    last_read, copies_since = {}, {}
+    for _, kind, (buffer, begin, end) in events:
+        if kind == "read":
+            for copy_end in copies_since.get(buffer, []):
+                assert happens_before(copy_end, begin), "a read may overwrite a staging buffer a copy still reads"
+            copies_since[buffer] = []
+            last_read[buffer] = end
+        else:
+            assert buffer in last_read and happens_before(last_read[buffer], begin), (
+                "a staging buffer may be copied before its disk read finished")
+            copies_since.setdefault(buffer, []).append(end)
+    assert reads and any(kind == "copy" for _, kind, _ in events)
+    assert all(torch.equal(out, want) for out in outputs)  # after the clocks: a race shows there first, by name
+    manager.detach()
+
+
+@pytest.mark.parametrize("resident, prefetch, policy", [(0, 1, "leading"), (2, 2, "strided"), (1, 3, "leading")])
+def test_no_copy_before_its_read_and_no_read_over_a_copy_in_flight(tmp_path, resident, prefetch, policy):
+    run_checked(resident, prefetch, policy, tmp_path)
+
+
+def skip_read_waits(tier):
+    tier._settle = lambda staging: None
+
+
+def skip_copy_waits(tier, monkeypatch):
+    monkeypatch.setattr(disk_tier, "_copy_done", lambda handle, wait: True)
+
+
+def test_the_checker_catches_a_copy_before_its_read(tmp_path):
+    with pytest.raises(AssertionError, match="copied before its disk read"):
+        run_checked(0, 1, "leading", tmp_path, break_with=skip_read_waits)
+
+
+def test_the_checker_catches_a_read_over_a_copy_in_flight(tmp_path, monkeypatch):
+    with pytest.raises(AssertionError, match="overwrite a staging buffer"):
+        run_checked(0, 1, "leading", tmp_path, break_with=lambda tier: skip_copy_waits(tier, monkeypatch))
