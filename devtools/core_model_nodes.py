@@ -176,14 +176,17 @@ _PRISTINE: Dict[Tuple[str, int], Any] = {}
 
 
 def fresh_model(family: str, seed: int):
-    """A tiny model that shares nothing with any other: a deep copy of one built once per (family, seed)."""
-    import copy
+    """A tiny model that shares nothing with any other: ComfyUI's model class built anew from the config of one
+    built once per (family, seed), its weights copied from that one (a deep copy of the module is 3x slower)."""
     from . import tiny_dits
     env = import_comfyui()
     pristine = _PRISTINE.get((family, seed))
     if pristine is None:
         pristine = _PRISTINE[(family, seed)] = tiny_dits.build_tiny(family, seed=seed)
-    return env.model_patcher.ModelPatcher(copy.deepcopy(pristine.model), load_device=pristine.load_device,
+    model = pristine.model.model_config.get_model({}, "").to(pristine.offload_device)
+    model.load_state_dict(pristine.model.state_dict(), strict=True)
+    model.eval()
+    return env.model_patcher.ModelPatcher(model, load_device=pristine.load_device,
                                           offload_device=pristine.offload_device)
 
 

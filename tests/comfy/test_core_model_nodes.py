@@ -14,12 +14,12 @@ pytestmark = pytest.mark.usefixtures("comfy_loopback")
 
 NODES = core_model_nodes.core_model_nodes()
 RUNNABLE = [(node, variant) for node in NODES if node.reason is None for variant in node.variants]
-# The suite's share of the matrix (the CLI runs all of it): every node's defaults on both families at both
-# placements and both resident counts; each other choice of a node (a COMBO option, a flipped BOOLEAN) on Wan 2.1,
-# streamed before the node and all resident after it.
+# The suite's share of the matrix (the CLI runs all of it): every node's defaults on Wan 2.1 at both placements and
+# both resident counts, and on LTXV streamed before the node and all resident after it; each other choice of a node
+# (a COMBO option, a flipped BOOLEAN) on Wan 2.1 the same way; every compute dtype on LTXV with every run.
 OTHER_CHOICE_RUNS = (("before", core_model_nodes.RESIDENT_COUNTS[0]), ("after", core_model_nodes.RESIDENT_COUNTS[-1]))
-ROWS = [(node, variant, family, core_model_nodes.ALL_RUNS)
-        for node, variant in RUNNABLE if variant.label == "defaults" for family in ("wan21", "ltxv")]
+ROWS = [(node, variant, "wan21", core_model_nodes.ALL_RUNS) for node, variant in RUNNABLE if variant.label == "defaults"]
+ROWS += [(node, variant, "ltxv", OTHER_CHOICE_RUNS) for node, variant in RUNNABLE if variant.label == "defaults"]
 ROWS += [(node, variant, "wan21", OTHER_CHOICE_RUNS) for node, variant in RUNNABLE if variant.label != "defaults"]
 # A compute dtype changes how every weight is cast: each choice of it on LTXV too, with every run.
 ROWS += [(node, variant, "ltxv", core_model_nodes.ALL_RUNS) for node, variant in RUNNABLE
