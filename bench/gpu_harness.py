@@ -193,8 +193,8 @@ class GpuHarness(Harness):
         row = self._base_row("comfy_lowvram")
         self._timing(row, seconds)
         row.update(forwards_per_step=(self.forwards - snap["forwards"]) / intervals,
-                   weights_device_bytes=patcher.loaded_size() + int(getattr(patcher.model, "model_offload_buffer_memory",
-                                                                            0) or 0),
+                   weights_device_bytes=patcher.loaded_size()
+                   + int(getattr(patcher.model, "model_offload_buffer_memory", 0) or 0),
                    peak_alloc_bytes=peak, streamed_bytes_per_forward=lowvram_module_bytes(patcher.model),
                    h2d_bytes_per_step=(counter.bytes - snap["bytes"]) / intervals,
                    bitwise_equal=bitwise_equal(out, self.reference))

@@ -135,7 +135,8 @@ def preflight(args, tables, state) -> int:
                                                           unit=unit, note=note)
     add("torch", torch.__version__, note=f"cuda {torch.version.cuda}")
     if device.type == "cuda":
-        add("gpu", torch.cuda.get_device_name(device), note=f"{torch.cuda.get_device_properties(device).total_memory} B")
+        total = torch.cuda.get_device_properties(device).total_memory
+        add("gpu", torch.cuda.get_device_name(device), note=f"{total} B")
     nbytes = (1 << 30) if device.type == "cuda" else (16 << 20)
     gbps = {}
     for kind in ("registered", "pinned", "pageable"):
@@ -150,7 +151,9 @@ def preflight(args, tables, state) -> int:
         # A refused registration (the same pages twice) must leave no error behind for the next kernel launch.
         pinner, buf = CudaHostRegisterPinner(), page_aligned_host(1 << 20)
         first, second = pinner.register(buf), pinner.register(buf)
-        left = int(torch.cuda.cudart().cudaGetLastError())
+        from layerwise_offload.offload.pinning import _runtime_last_error
+        reader = _runtime_last_error()  # torch's cudart bindings have no cudaGetLastError
+        left = int(reader()) if reader is not None else "n/a: libcudart not reachable"
         try:
             torch.ones(4, device=device).add_(1).sum().item()
             launch = "ok"
@@ -158,7 +161,8 @@ def preflight(args, tables, state) -> int:
             launch = f"{type(error).__name__}: {error}"[:150]
         if first:
             pinner.unregister(buf)
-        add("stale_cuda_error_after_refusal", left, "cudaError", f"register {first}, again {second}; next kernel {launch}")
+        add("stale_cuda_error_after_refusal", left, "cudaError",
+            f"register {first}, again {second}; next kernel {launch}")
     else:
         add("stale_cuda_error_after_refusal", "", "cudaError", "dry run: needs CUDA")
     hooks = bench_engine.bench_hooks(device, num_blocks=48, repeats=7 if device.type == "cuda" else 3,

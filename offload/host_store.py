@@ -259,7 +259,8 @@ class HostStore:
             self._warned_pin = True
             reason = "refused" if self.ledger.pinner is not None else "no CUDA runtime to page-lock with"
             log.warning("[layerwise-offload] could not pin %.1f MiB of host memory (%s); each block that is "
-                        "refused stays pageable (its copies are slower), the others are still pinned", buffer.numel() / 2**20, reason)
+                        "refused stays pageable (its copies are slower), the others are still pinned",
+                        buffer.numel() / 2**20, reason)
         return pinned
 
     def _drop_buffer(self, index: int) -> None:

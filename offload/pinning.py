@@ -25,8 +25,8 @@ import torch
 
 log = logging.getLogger("layerwise_offload")
 
-__all__ = ["Pinner", "CudaHostRegisterPinner", "clear_cuda_error", "PinLedger", "default_pinner", "return_freed_host_memory",
-           "trim_after_next_collection"]
+__all__ = ["Pinner", "CudaHostRegisterPinner", "clear_cuda_error", "PinLedger", "default_pinner",
+           "return_freed_host_memory", "trim_after_next_collection"]
 
 
 class Pinner(Protocol):
