@@ -256,6 +256,7 @@ class OffloadController:
 
     def release_device_memory(self) -> None:
         self.manager.release_all()
+        self.manager.remove_hooks()  # installed again by the next load's first forward, then kept for its forwards
 
     def free_device_memory(self, nbytes: int) -> int:
         """ComfyUI asks for ``nbytes`` back: demote residents from the tail until the plan is that
