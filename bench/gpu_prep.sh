@@ -4,12 +4,10 @@
 #
 #   bash bench/gpu_prep.sh
 #
-# It makes (all ignored by git through .git/info/exclude, never committed; ~45 MB, inside the device tool's 64 MiB):
+# It makes (ignored by git through .git/info/exclude, never committed; must stay under 60 MiB, checked at the end):
 #   .gpu/comfyui-0.3.75.tar.gz   ComfyUI 0.3.75 ($COMFYUI_PATH or .comfyui/ComfyUI), minus tests and model files
 #   .gpu/comfyui-0.14.1.tar.gz   ComfyUI 0.14.1 (.comfyui/ComfyUI-0.14.1, else $COMFYUI_014_TARBALL), the same way
 #   .gpu/wheels/                 torchsde + trampoline (pure Python; both ComfyUIs import them, the GPU image lacks them)
-#                                and gguf (pure Python; ComfyUI-GGUF and the GGUF row of the weight-format comparison)
-#   .gpu/peers/                  ComfyUI-GGUF's source tarball from shared/peers, when it is there
 #   .gpu/wheels-0.14.1/          comfy-aimdo and comfy-kitchen for the device's Python ($DEVICE_PYTHON, default 3.12),
 #                                the versions .venv-0.14.1 has; comfy-kitchen without its ROCm kernel library
 #                                (150 MB unpacked, never loaded on NVIDIA: comfy_kitchen imports it only under HIP)
@@ -41,16 +39,9 @@ else
     cp "$TARBALL14" .gpu/comfyui-0.14.1.tar.gz
 fi
 
-rm -rf .gpu/wheels .gpu/wheels-0.14.1 && mkdir -p .gpu/wheels .gpu/wheels-0.14.1
+rm -rf .gpu/wheels .gpu/wheels-0.14.1 .gpu/peers && mkdir -p .gpu/wheels .gpu/wheels-0.14.1
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$DEVICE_PYTHON" --implementation cp \
-    -d .gpu/wheels torchsde==0.2.6 trampoline==0.1.2 "gguf==$("$PY" -c 'import importlib.metadata as m; print(m.version("gguf"))' 2>/dev/null || echo 0.17.1)"
-rm -rf .gpu/peers
-for shared in "${LAYERWISE_OFFLOAD_SHARED:-}" "$ROOT/../shared" "$ROOT/../../shared"; do
-    if [[ -n "$shared" ]] && compgen -G "$shared/peers/ComfyUI-GGUF-*.tar.gz" >/dev/null; then
-        mkdir -p .gpu/peers && cp "$shared"/peers/ComfyUI-GGUF-*.tar.gz .gpu/peers/ && break
-    fi
-done
-[[ -d .gpu/peers ]] || echo "[gpu_prep] no ComfyUI-GGUF source in shared/peers: the GPU run skips the GGUF format"
+    -d .gpu/wheels torchsde==0.2.6 trampoline==0.1.2
 version_of() { "$PY14" -c "import importlib.metadata as m; print(m.version('$1'))" 2>/dev/null || echo "$2"; }
 AIMDO="$(version_of comfy-aimdo 0.6.0)"
 KITCHEN="$(version_of comfy-kitchen 0.2.40)"
@@ -72,4 +63,6 @@ with zipfile.ZipFile(path) as src, zipfile.ZipFile(path + ".tmp", "w", zipfile.Z
 os.replace(path + ".tmp", path)
 EOF
 du -sh .gpu/* .gpu
+size_mib=$(( $(du -sk .gpu | cut -f1) / 1024 ))
+if (( size_mib >= 60 )); then echo "[gpu_prep] .gpu is ${size_mib} MiB, over the 60 MiB the device call can carry" >&2; exit 1; fi
 echo "[gpu_prep] ready for a device Python $DEVICE_PYTHON: carry [\".gpu\"] and run: bash bench/gpu_run.sh"

@@ -20,6 +20,7 @@ from torch import nn
 import comfy.model_management
 
 from ..offload.device_backend import normalize_device
+from ..offload.hooks import cuda_graph_refusal
 from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
 from ..offload.advice import RunReport, activation_words, block_tiers, recommend, slot_count
 from ..offload.activation_model import block_width
@@ -27,7 +28,7 @@ from ..offload.planner import describe, format_bytes, forward_activation_bytes, 
 from ..offload.tensor_subclass import point_param_at, weight_nbytes
 from ..offload.pinning import return_freed_host_memory
 from .discovery import DiscoveredBlocks
-from .host_ram import compact_backups, comfyui_pinner
+from .host_ram import compact_backups, comfyui_pin_cap_left, comfyui_pinner
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
 from .load_decisions import apply_cast_decisions, comfyui_load_decisions
 
@@ -51,12 +52,11 @@ def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, dev
     return manager
 
 
-def comfyui_pinned_memory_cap() -> Optional[int]:
-    """ComfyUI's own limit on pinned host memory, where it has one (``--disable-pinned-memory`` gives 0)."""
-    cap = getattr(comfy.model_management, "MAX_PINNED_MEMORY", None)
-    if cap is None or comfy.model_management.is_device_cpu(comfy.model_management.get_torch_device()):
+def comfyui_pinned_memory_cap(own_pinned_bytes: int = 0) -> Optional[int]:
+    """What ComfyUI's limit on pinned host memory leaves for this model (``--disable-pinned-memory`` gives 0)."""
+    if comfy.model_management.is_device_cpu(comfy.model_management.get_torch_device()):
         return None
-    return max(0, int(cap))
+    return comfyui_pin_cap_left(own_pinned_bytes)
 
 
 def _progress_bar():
@@ -266,6 +266,7 @@ class OffloadController:
 
     def release_device_memory(self) -> None:
         self.manager.release_all()
+        self.manager.remove_hooks()  # installed again by the next load's first forward, then kept for its forwards
 
     def free_device_memory(self, nbytes: int) -> int:
         """ComfyUI asks for ``nbytes`` back: demote residents from the tail until the plan is that
@@ -321,15 +322,19 @@ class OffloadController:
             self._plan_auto(x, patcher)
             self._auto_planned_this_run = True
         self._use_own_settings()
+        refusal = cuda_graph_refusal(patcher.model_options.get("torch_compile_kwargs") if patcher else None)
+        if refusal is not None and self.manager.resident_count() < self.manager.num_blocks:
+            raise RuntimeError(refusal)
         # Allocate before ComfyUI runs the model: newer ComfyUI may record a forward's allocations (its
         # model compiler, malloc_graph), and our buffers outlive every forward.
         self.manager.arm()
-        self.manager.attach()
+        self.manager.attach()  # once per model (offload/hooks.py: re-adding them would recompile every forward)
+        self.manager.hooks_active = True
         try:
             with self.manager.forward_scope():
                 yield
         finally:
-            self.manager.remove_hooks()
+            self.manager.hooks_active = False
             self.base_model.model_loaded_weight_memory = self.loaded_bytes()
 
     def rebound(self, patcher) -> "OffloadController":
@@ -358,6 +363,9 @@ class OffloadController:
 
     def begin_run(self, patcher) -> None:
         self.manager.reset_peaks()
+        # Other models pin and unpin between runs: what is left of ComfyUI's cap is read again each run.
+        store = self.manager.store
+        self.manager.pin_cap_bytes = comfyui_pinned_memory_cap(store.pinned_nbytes() if store is not None else 0)
         if self.manager.prepare():
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
             point_backups_at_store(patcher, self._device_plan, self.manager.store)

@@ -20,6 +20,7 @@ ComfyUI asking for weights really patched (``force_patch_weights``: saving or me
 from __future__ import annotations
 
 import collections
+import copy
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -81,9 +82,38 @@ def patched_weight(weight: torch.Tensor, patches: list, key: str, compute_dtype:
     return comfy.float.stochastic_rounding(out, weight.dtype, seed=seed)
 
 
+def _on_device(value, device, uploaded: dict):
+    """``value`` (a patch's payload: tensors, tuples of them, a LoRA adapter) with every tensor on ``device``;
+    each tensor uploaded once (``uploaded`` by identity), ComfyUI's own patches left as they are."""
+    if isinstance(value, torch.Tensor):
+        moved = uploaded.get(id(value))
+        if moved is None:
+            moved = uploaded[id(value)] = (value, value.to(device))
+        return moved[1]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_on_device(v, device, uploaded) for v in value)
+    if isinstance(getattr(value, "weights", None), (tuple, list)):  # comfy.weight_adapter's adapters
+        adapter = copy.copy(value)
+        adapter.weights = _on_device(value.weights, device, uploaded)
+        return adapter
+    return value
+
+
+def patches_on_device(plan: Dict[int, List[DevicePatch]], device) -> Tuple[Dict[int, List[DevicePatch]], int]:
+    """The plan with its LoRA factors on the load device, and the bytes that takes there. Uploaded once, here,
+    on the compute stream: left on the host, ComfyUI's math would copy them from pageable memory at every block
+    copy, on the copy stream, where a pageable copy can stall the host before the next block's kernels queue."""
+    uploaded: dict = {}
+    out = {index: [(position, key, [(p[0], _on_device(p[1], device, uploaded)) + tuple(p[2:]) for p in patches])
+                   for position, key, patches in entries] for index, entries in plan.items()}
+    nbytes = sum(t.numel() * t.element_size() for src, t in uploaded.values() if t is not src)
+    return out, nbytes
+
+
 class DeviceLora:
     """The manager's after-copy transform: patches the planned weights of a block in its device buffer.
-    Runs at every copy of a streamed block, so what does not change between copies is worked out once here."""
+    Runs at every copy of a streamed block, so what does not change between copies is worked out once here:
+    the compute dtype, ComfyUI's per-key seeds, and the LoRA factors, kept on the device for the model's run."""
 
     def __init__(self, plan: Dict[int, List[DevicePatch]], load_device, signature=None):
         self.plan = plan
@@ -91,21 +121,23 @@ class DeviceLora:
         self.signature = signature  # what it was built from (patches, device, weights), to tell it apart
         self._compute_dtype = lora_compute_dtype(load_device)
         self._seeds = {key: _string_to_seed(key) for patches in plan.values() for _, key, _ in patches}
+        self.device_plan, self.factor_bytes = patches_on_device(plan, load_device)
 
     def __call__(self, index: int, weights: Sequence[torch.Tensor]) -> None:
-        for position, key, patches in self.plan.get(index, ()):
+        for position, key, patches in self.device_plan.get(index, ()):
             weight = weights[position]
             weight.copy_(patched_weight(weight, patches, key, self._compute_dtype, self._seeds[key]))
 
 
 def scratch_bytes(blocks: Sequence[torch.nn.Module], plan: Dict[int, List[DevicePatch]]) -> int:
-    """Device memory the math of the largest patched weight takes beside the blocks: its float32 copy, the LoRA
-    difference and that difference scaled (what ComfyUI's full load also takes, once, at load time)."""
+    """Device memory the LoRA takes beside the blocks: the math of the largest patched weight (its float32
+    copy, the LoRA difference and that difference scaled: what ComfyUI's full load also takes, once, at load
+    time), plus the LoRA factors, which stay on the device (DeviceLora)."""
     largest = 0
     for index, patches in plan.items():
         params = [param for _, param in block_parameters(blocks[index])]
         largest = max([largest] + [params[position].numel() for position, _, _ in patches])
-    return 3 * 4 * largest
+    return 3 * 4 * largest + patches_on_device(plan, torch.device("meta"))[1]
 
 
 def point_backups_at_store(patcher, plan: Dict[int, List[DevicePatch]], store) -> None:

@@ -17,6 +17,7 @@ from torch import nn
 
 import comfy.model_management
 
+from ..offload.pinning import clear_cuda_error
 from ..offload.tensor_subclass import weight_parts
 
 
@@ -25,7 +26,10 @@ class ComfyUIPinner:
 
     def register(self, tensor: torch.Tensor) -> bool:
         # 0.3.75 pins only Parameters (and QuantizedTensor); a Parameter over the buffer shares its memory.
-        return bool(comfy.model_management.pin_memory(_as_parameter(tensor)))
+        granted = bool(comfy.model_management.pin_memory(_as_parameter(tensor)))
+        if not granted:
+            clear_cuda_error()  # 0.3.75 leaves a refused cudaHostRegister's error for the next kernel launch
+        return granted
 
     def unregister(self, tensor: torch.Tensor) -> None:
         comfy.model_management.unpin_memory(tensor)
@@ -44,6 +48,18 @@ def comfyui_pinner() -> Optional[ComfyUIPinner]:
     if getattr(mm, "MAX_PINNED_MEMORY", 0) <= 0 or mm.is_device_cpu(mm.get_torch_device()):
         return None
     return ComfyUIPinner()
+
+
+def comfyui_pin_cap_left(own_pinned_bytes: int) -> Optional[int]:
+    """What ComfyUI's ``MAX_PINNED_MEMORY`` leaves for this store: the cap less what everything else pinned.
+    Our own pins go through ComfyUI and count in its ``TOTAL_PINNED_MEMORY``, so they are added back; other
+    models' pinned weights are not ours to take. None where this ComfyUI keeps no such total."""
+    mm = comfy.model_management
+    cap = getattr(mm, "MAX_PINNED_MEMORY", None)
+    if cap is None:
+        return None
+    others = max(0, int(getattr(mm, "TOTAL_PINNED_MEMORY", 0)) - int(own_pinned_bytes))
+    return max(0, int(cap) - others)
 
 
 def compact_backups(patcher, keys: Iterable[str], buffers: Iterable[Optional[torch.Tensor]]) -> int:

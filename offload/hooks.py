@@ -11,8 +11,34 @@ from torch import nn
 _compiler_disable = torch.compiler.disable
 
 
+def cuda_graph_refusal(compile_kwargs: Optional[dict]) -> Optional[str]:
+    """Why these torch.compile settings cannot run with streamed blocks, or None when they can.
+
+    CUDA graphs (``mode="reduce-overhead"`` / ``"max-autotune"``, or inductor's ``triton.cudagraphs``) replay
+    the kernels with the addresses they were recorded with, while a streamed block's weights live in whichever
+    slot the prefetch gave it this forward: a replay would read another block's weights, silently."""
+    if not compile_kwargs:
+        return None
+    mode = str(compile_kwargs.get("mode") or "")
+    options = compile_kwargs.get("options") or {}
+    if mode in ("reduce-overhead", "max-autotune") or options.get("triton.cudagraphs"):
+        what = f"mode={mode!r}" if mode else "options triton.cudagraphs"
+        return (f"[layerwise-offload] torch.compile with CUDA graphs ({what}) cannot run with streamed blocks: a "
+                "graph replays the weight addresses it recorded, and streamed weights move between slots every "
+                "forward. Use mode 'default' or 'max-autotune-no-cudagraphs' in the compile node, or keep every "
+                "block resident (resident_layers = the block count).")
+    return None
+
+
 class HookMixin:
-    """Hook installation and per-forward counting for :class:`LayerwiseOffloadManager`."""
+    """Hook installation and per-forward counting for :class:`LayerwiseOffloadManager`.
+
+    The hooks are installed once and stay; ``hooks_active`` switches what they do. Adding and removing
+    hooks around every forward would change the modules' hook dicts, which torch.compile guards on: every
+    forward would recompile. The check runs inside compiler-disabled calls, so it adds no guard either.
+    """
+
+    hooks_active = True
 
     def attach(self, root: Optional[nn.Module] = None) -> "HookMixin":
         """Install the block hooks (and forward-scope hooks on ``root``, if given). Idempotent."""
@@ -39,13 +65,23 @@ class HookMixin:
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module, args):
-            self.before_block(index)
+            self._pre_block(index)
         return pre_hook
 
     def _make_post_hook(self, index: int):
         def post_hook(module, args, output):
-            self.after_block(index)
+            self._post_block(index)
         return post_hook
+
+    @_compiler_disable
+    def _pre_block(self, index: int) -> None:
+        if self.hooks_active:
+            self.before_block(index)
+
+    @_compiler_disable
+    def _post_block(self, index: int) -> None:
+        if self.hooks_active:
+            self.after_block(index)
 
     @contextmanager
     def forward_scope(self):

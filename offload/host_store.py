@@ -11,6 +11,7 @@ A quantized weight that is a tensor subclass is stored as its plain parts (quant
 from __future__ import annotations
 
 import logging
+import mmap
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -22,7 +23,12 @@ from .tensor_subclass import RebuildFn, weight_parts
 
 log = logging.getLogger("layerwise_offload")
 
-ALIGNMENT_BYTES = 64
+# cuBLASLt picks its kernel from the operands' pointer alignment (up to 256 bytes), and a full load gives
+# 512-aligned weights: an entry off 256 could compute other bits than the full load it must equal.
+ALIGNMENT_BYTES = 256
+# cudaHostRegister locks whole pages: a buffer that shared a page with a neighbour could be refused as
+# "already registered", or unlock the neighbour's page with its own.
+PAGE_BYTES = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -160,8 +166,12 @@ def plan_layout(named_params: Sequence[Tuple[str, nn.Parameter]]) -> BlockLayout
 
 
 def allocate_host_buffer(nbytes: int) -> torch.Tensor:
-    """A pageable uint8 host buffer of exactly ``nbytes``; page-locking is the store's pin ledger's job."""
-    return torch.empty(nbytes, dtype=torch.uint8)
+    """A pageable uint8 host buffer of exactly ``nbytes`` that starts on a page and owns every page it touches
+    (its allocation is padded to whole pages on both sides); page-locking is the store's pin ledger's job."""
+    padded = _align(max(nbytes, 1), PAGE_BYTES)
+    raw = torch.empty(padded + PAGE_BYTES, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % PAGE_BYTES
+    return raw[start:start + nbytes]
 
 
 def _packed_sources(layout: BlockLayout) -> List[torch.Tensor]:
@@ -184,7 +194,7 @@ class HostStore:
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(layouts)
         self.ledger = PinLedger(pinner)
         self.ledger.watch(self)  # a store dropped without clear() still unlocks its buffers
-        self.pin_failed = False  # after one refusal, stop asking (and warning) for every block
+        self._warned_pin = False  # one warning per store; every block is still asked for on its own
 
     @property
     def built(self) -> bool:
@@ -232,8 +242,9 @@ class HostStore:
     def set_pinned(self, index: int, pin: bool) -> bool:
         """Page-lock block ``index``'s buffer in place, or unlock it; returns whether it is locked.
 
-        Call with the copy stream quiet (no copy from this buffer in flight). After one refusal the
-        store stops asking, so a short host does not warn once per block.
+        Call with the copy stream quiet (no copy from this buffer in flight). A refusal leaves this block
+        pageable and asks again for the next one: one refused range (a neighbour's page, a transient limit)
+        must not leave the whole model on slow pageable copies. It warns once per store.
         """
         buffer = self.buffers[index]
         if buffer is None:
@@ -243,12 +254,13 @@ class HostStore:
             return False
         if self.ledger.is_pinned(buffer):
             return True
-        pinned = self.ledger.pin(buffer, register=not self.pin_failed)
-        if not pinned and not self.pin_failed:
-            self.pin_failed = True
+        pinned = self.ledger.pin(buffer)
+        if not pinned and not self._warned_pin:
+            self._warned_pin = True
             reason = "refused" if self.ledger.pinner is not None else "no CUDA runtime to page-lock with"
-            log.warning("[layerwise-offload] could not pin %.1f MiB of host memory (%s); the rest of the store "
-                        "stays pageable, copies from it are slower", buffer.numel() / 2**20, reason)
+            log.warning("[layerwise-offload] could not pin %.1f MiB of host memory (%s); each block that is "
+                        "refused stays pageable (its copies are slower), the others are still pinned",
+                        buffer.numel() / 2**20, reason)
         return pinned
 
     def _drop_buffer(self, index: int) -> None:

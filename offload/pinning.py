@@ -17,6 +17,7 @@ import ctypes
 import ctypes.util
 import gc
 import logging
+import os
 import weakref
 from typing import Dict, Optional, Protocol
 
@@ -24,8 +25,8 @@ import torch
 
 log = logging.getLogger("layerwise_offload")
 
-__all__ = ["Pinner", "CudaHostRegisterPinner", "PinLedger", "default_pinner", "return_freed_host_memory",
-           "trim_after_next_collection"]
+__all__ = ["Pinner", "CudaHostRegisterPinner", "clear_cuda_error", "PinLedger", "default_pinner",
+           "return_freed_host_memory", "trim_after_next_collection"]
 
 
 class Pinner(Protocol):
@@ -41,10 +42,50 @@ class CudaHostRegisterPinner:
 
     def register(self, tensor: torch.Tensor) -> bool:
         nbytes = tensor.numel() * tensor.element_size()
-        return torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, self.PORTABLE) == 0
+        granted = int(torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), nbytes, self.PORTABLE)) == 0
+        if not granted:
+            clear_cuda_error()
+        return granted
 
     def unregister(self, tensor: torch.Tensor) -> None:
         torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+
+
+def _runtime_last_error():
+    """``cudaGetLastError`` of the CUDA runtime torch already loaded (never a second copy: the error is that
+    library's per-thread state), or None where it cannot be reached (torch's bindings lack it)."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"):
+        try:
+            lib = ctypes.CDLL(name, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_LOCAL)
+        except OSError:
+            continue
+        return lib.cudaGetLastError
+    return None
+
+
+_LAST_ERROR = []
+
+
+def clear_cuda_error() -> Optional[int]:
+    """Take the error a refused ``cudaHostRegister`` leaves as the runtime's last error, and return it.
+
+    Left set, the next unrelated kernel launch in this thread reports it (torch checks
+    ``cudaGetLastError`` after every launch) and raises far from the cause; ComfyUI 0.3.75's own
+    ``pin_memory`` leaves it too. Reads it straight from the runtime where that is loaded; otherwise
+    a one-element launch consumes it (no stream sync either way). None when there was nothing to clear.
+    """
+    if not _LAST_ERROR:
+        _LAST_ERROR.append(_runtime_last_error())
+    reader = _LAST_ERROR[0]
+    if reader is not None:
+        code = int(reader())
+        return code or None
+    try:
+        torch.zeros(1, device="cuda")
+    except RuntimeError as error:  # torch.AcceleratorError is one: the stale error, consumed by the launch check
+        log.debug("[layerwise-offload] cleared a CUDA error left by a refused page-lock: %s", error)
+        return -1
+    return None
 
 
 def default_pinner(device: torch.device) -> Optional[Pinner]:

@@ -150,6 +150,8 @@ def test_lora_is_applied_on_the_device_and_the_host_keeps_the_weights_once():
     lora_keys = {k for k in originals if f"{k[:-len('.weight')]}.lora_up.weight" in lora}
     controller = controller_of(patched)  # model_size() holds the LoRA math's float32 scratch beside the blocks
     scratch = 3 * 4 * max(originals[k].numel() for k in lora_keys)
+    scratch += sum(t.numel() * t.element_size() for name, t in lora.items()  # the factors, kept on the device
+                   if f"{name.split('.lora_')[0]}.weight" in lora_keys)
     assert patched.model_size() == controller.non_block_bytes() + controller._planned_block_bytes(1) + scratch
     assert lora_keys and set(patched.backup) == lora_keys
     for key, backup in patched.backup.items():

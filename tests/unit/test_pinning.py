@@ -18,15 +18,20 @@ from layerwise_offload.offload.pinning import PinLedger, return_freed_host_memor
 
 
 class RecordingPinner:
-    def __init__(self, refuse_after=None):
+    def __init__(self, refuse_after=None, refuse_calls=()):
         self.live = {}  # data_ptr -> bytes locked now
         self.calls = []  # ("register" | "unregister", bytes)
         self.refuse_after = refuse_after
+        self.refuse_calls = set(refuse_calls)  # the n-th register calls (from 0) that are refused
+        self.asked = 0
 
     def register(self, tensor):
         ptr, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
         assert ptr not in self.live, "a range was page-locked twice"
         assert tensor.is_contiguous() and tensor.device.type == "cpu"
+        self.asked += 1
+        if self.asked - 1 in self.refuse_calls:
+            return False
         if self.refuse_after is not None and len(self.live) >= self.refuse_after:
             return False
         self.live[ptr] = nbytes
@@ -145,6 +150,19 @@ def test_a_refusing_pinner_leaves_the_rest_pageable_with_one_warning(sample_inpu
     assert len([r for r in caplog.records if "could not pin" in r.getMessage()]) == 1
 
 
+def test_one_refusal_does_not_latch_pinning_off(sample_input, caplog):
+    """A refused range (a neighbour's page, a transient limit) leaves that block pageable until it is asked
+    for again (the next pinning pass), never the rest of the model for its life."""
+    pinner = RecordingPinner(refuse_calls={1})
+    model, manager = pinned_offload(pinner)
+    with caplog.at_level(logging.WARNING, logger="layerwise_offload"), torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(sample_input), reference(sample_input))
+    assert all(manager.store.pinned) and len(pinner.live) == manager.num_blocks
+    assert pinner.asked == manager.num_blocks + 1  # the refused one was asked twice, nothing more
+    assert len([r for r in caplog.records if "could not pin" in r.getMessage()]) == 1
+
+
 def test_pin_memory_off_locks_nothing(sample_input):
     pinner = RecordingPinner()
     model, manager = pinned_offload(pinner)
@@ -165,3 +183,71 @@ def test_ledger_books_refused_requests_and_forgets_dropped_ones():
 
 def test_return_freed_host_memory_runs_here():
     assert return_freed_host_memory() in (True, False)
+
+
+# ----------------------------------------------------------------- cudaHostRegister as CUDA answers it
+class FakeCudart:
+    """torch.cuda.cudart() as CUDA behaves: whole pages are locked, a range touching a locked page is refused
+    with cudaErrorHostMemoryAlreadyRegistered, and a refusal stays the runtime's last error until read."""
+
+    ALREADY_REGISTERED = 712
+    PAGE = 4096
+
+    def __init__(self):
+        self.pages = {}  # page -> data_ptr of the registration that holds it
+        self.last_error = 0
+
+    def _pages(self, ptr, nbytes):
+        return range(ptr // self.PAGE, (ptr + max(nbytes, 1) - 1) // self.PAGE + 1)
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        pages = self._pages(ptr, nbytes)
+        if any(p in self.pages for p in pages):
+            self.last_error = self.ALREADY_REGISTERED
+            return self.ALREADY_REGISTERED
+        self.pages.update((p, ptr) for p in pages)
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        for page in [p for p, owner in self.pages.items() if owner == ptr]:
+            del self.pages[page]
+        return 0
+
+    def cudaGetLastError(self):
+        code, self.last_error = self.last_error, 0
+        return code
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    from layerwise_offload.offload import pinning
+    runtime = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(pinning, "_LAST_ERROR", [runtime.cudaGetLastError])
+    return runtime
+
+
+def test_a_refused_registration_leaves_no_cuda_error_behind(fake_cuda):
+    from layerwise_offload.offload.pinning import CudaHostRegisterPinner
+    pinner = CudaHostRegisterPinner()
+    buffer = torch.empty(3 * 4096, dtype=torch.uint8)
+    assert pinner.register(buffer)
+    assert not pinner.register(buffer[100:200])  # inside a locked page: refused, as CUDA refuses it
+    assert fake_cuda.last_error == 0  # else the next kernel launch would raise it
+
+
+def test_every_block_of_a_small_model_gets_its_own_pages(fake_cuda, sample_input):
+    """Blocks far under a page each: heap buffers would share pages and all but the first be refused."""
+    from layerwise_offload.offload.pinning import CudaHostRegisterPinner
+    model, manager = pinned_offload(CudaHostRegisterPinner())
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), reference(sample_input))
+    assert all(manager.store.pinned) and fake_cuda.last_error == 0
+    assert any(n % 4096 for n in manager.block_nbytes())  # heap neighbours would share their edge pages
+    for buffer in manager.store.buffers:
+        assert buffer.data_ptr() % 4096 == 0
+        storage = buffer.untyped_storage()
+        end = buffer.data_ptr() + buffer.numel()
+        assert storage.data_ptr() + storage.nbytes() >= -(-end // 4096) * 4096  # its last page is its own
+    manager.detach()
+    assert fake_cuda.pages == {}

@@ -1,0 +1,57 @@
+"""ComfyUI's side of pinning: the cap is what ComfyUI's MAX_PINNED_MEMORY has LEFT once other models' pins are
+counted, and a refusal through ComfyUI's own pin_memory (0.3.75 does not clear it) leaves no CUDA error behind."""
+
+import pytest
+import torch
+
+import comfy.model_management as mm
+
+from layerwise_offload.nodes import controller
+from layerwise_offload.nodes.host_ram import ComfyUIPinner
+from layerwise_offload.offload import pinning
+
+GiB = 2**30
+
+
+@pytest.fixture
+def on_a_gpu(monkeypatch):
+    monkeypatch.setattr(mm, "is_device_cpu", lambda device: False)
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", 10 * GiB)
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 0)
+
+
+def test_the_cap_is_what_other_models_left(on_a_gpu, monkeypatch):
+    assert controller.comfyui_pinned_memory_cap() == 10 * GiB
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 7 * GiB)  # another model pinned 6 GiB, we hold 1 GiB
+    assert controller.comfyui_pinned_memory_cap(own_pinned_bytes=1 * GiB) == 4 * GiB
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 12 * GiB)
+    assert controller.comfyui_pinned_memory_cap(own_pinned_bytes=0) == 0
+    monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", -1)  # --disable-pinned-memory
+    assert controller.comfyui_pinned_memory_cap() == 0
+
+
+def test_the_cap_is_none_on_the_cpu(monkeypatch):
+    monkeypatch.setattr(mm, "is_device_cpu", lambda device: True)
+    assert controller.comfyui_pinned_memory_cap(5) is None
+
+
+class StickyError:
+    def __init__(self):
+        self.last_error = 0
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.last_error = 712  # cudaErrorHostMemoryAlreadyRegistered
+        return 712
+
+    def cudaGetLastError(self):
+        code, self.last_error = self.last_error, 0
+        return code
+
+
+def test_a_refusal_through_comfyuis_pin_memory_leaves_no_cuda_error(on_a_gpu, monkeypatch):
+    runtime = StickyError()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(pinning, "_LAST_ERROR", [runtime.cudaGetLastError])
+    buffer = torch.empty(4096, dtype=torch.uint8)
+    assert ComfyUIPinner().register(buffer) is False  # ComfyUI's own pin_memory asked CUDA and was refused
+    assert runtime.last_error == 0
