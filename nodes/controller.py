@@ -22,15 +22,16 @@ import comfy.model_management
 from ..offload.device_backend import normalize_device
 from ..offload.hooks import cuda_graph_refusal
 from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
-from ..offload.advice import RunReport, activation_words, block_tiers, recommend, slot_count
+from ..offload.advice import activation_words, recommend
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
 from ..offload.tensor_subclass import point_param_at, weight_nbytes
 from ..offload.pinning import return_freed_host_memory
 from .discovery import DiscoveredBlocks
-from .host_ram import compact_backups, comfyui_pin_cap_left, comfyui_pinner
+from .host_ram import compact_backups, comfyui_pin_cap_left, comfyui_pinner, packing_progress_bar
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
 from .load_decisions import apply_cast_decisions, comfyui_load_decisions
+from .run_report import run_report
 
 log = logging.getLogger("layerwise_offload")
 
@@ -59,21 +60,6 @@ def comfyui_pinned_memory_cap(own_pinned_bytes: int = 0) -> Optional[int]:
     return comfyui_pin_cap_left(own_pinned_bytes)
 
 
-def _progress_bar():
-    """ComfyUI's progress bar for packing the host store (a large model takes a while)."""
-    bar = None
-
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if total < 8:
-            return
-        if bar is None:
-            import comfy.utils
-            bar = comfy.utils.ProgressBar(total)
-        bar.update_absolute(done, total)
-    return update
-
-
 def _gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB"
 
@@ -93,7 +79,7 @@ class OffloadController:
         self.auto = auto
         self._auto_planned_this_run = False
         self.last_plan = None
-        self.last_report: Optional[RunReport] = None
+        self.last_report = None  # the last run's RunReport (run_report.py)
         self.last_recommendation: Optional[str] = None
         # Highest resident count ComfyUI's VRAM budget allows now (None: no limit), set when ComfyUI
         # loads the model with a budget or asks for memory back.
@@ -182,7 +168,7 @@ class OffloadController:
         self._use_own_settings()
         self._bake_block_patches(patcher, device_to, decisions,
                                  skip={key for p in plan.values() for _, key, _ in p})
-        changed = self.manager.prepare(progress=_progress_bar())
+        changed = self.manager.prepare(progress=packing_progress_bar())
         if changed:
             log.info("[layerwise-offload] host store: %d blocks packed (%s, %s pinned)", len(changed),
                      _gib(self.manager.store.nbytes()), _gib(self.manager.store.pinned_nbytes()))
@@ -391,22 +377,7 @@ class OffloadController:
         forwards = after.forwards - before.forwards
         if forwards == 0:
             return None
-        report = RunReport(
-            forwards=forwards, resident_blocks=after.resident_blocks, num_blocks=after.num_blocks,
-            resident_bytes=after.resident_bytes, bytes_per_forward=after.bytes_copied_last_forward,
-            run_bytes=after.bytes_copied - before.bytes_copied,
-            copy_seconds=after.copy_seconds - before.copy_seconds,
-            stall_seconds=after.stall_seconds - before.stall_seconds,
-            run_seconds=time.perf_counter() - started, peak_device_bytes=after.peak_device_bytes,
-            pinned_host_bytes=after.pinned_host_bytes, asynchronous=self.manager.backend.asynchronous,
-            host_bytes=after.host_bytes, pin_requested_bytes=after.host_bytes_requested,
-            steps=getattr(self, "run_steps", 0), prefetch_size=self.manager.config.prefetch_size,
-            block_tiers=block_tiers(self.manager), slot_count=slot_count(self.manager),
-            demand_copies=after.demand_copies - before.demand_copies, device_type=self.device.type,
-            other_device_bytes=self.loaded_bytes() - after.device_bytes, host_ram_bytes=self.host_ram_bytes(),
-            disk_blocks=after.disk_blocks, disk_bytes_read=after.disk_bytes_read - before.disk_bytes_read,
-            disk_seconds=after.disk_read_seconds - before.disk_read_seconds,
-            disk_stall_seconds=after.disk_stall_seconds - before.disk_stall_seconds)
+        report = run_report(self, before, after, forwards, time.perf_counter() - started)
         self.last_report = report
         sizes = self.manager.block_nbytes()
         resident = self.manager.schedule.resident_blocks if self.manager.schedule else ()

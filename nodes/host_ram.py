@@ -81,3 +81,18 @@ def compact_backups(patcher, keys: Iterable[str], buffers: Iterable[Optional[tor
         patcher.backup[key] = backup._replace(weight=compact)
         copied += sum(c.numel() * c.element_size() for c in copies.values())
     return copied
+
+
+def packing_progress_bar():
+    """ComfyUI's progress bar for packing the host store (a large model takes a while)."""
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if total < 8:
+            return
+        if bar is None:
+            import comfy.utils
+            bar = comfy.utils.ProgressBar(total)
+        bar.update_absolute(done, total)
+    return update

@@ -9,7 +9,6 @@ streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copie
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -20,6 +19,7 @@ from .device_backend import make_backend, normalize_device
 from .host_memory import available_host_bytes
 from .pinning import default_pinner
 from .host_store import HostStore, block_parameters, params_are_inference, plan_layout
+from .block_checks import check_no_shared_parameters, move_block_buffers
 from .schedule import Schedule, choose_resident_blocks
 from .call_order import CallOrderMixin
 from .hooks import HookMixin
@@ -27,8 +27,6 @@ from .tensor_subclass import point_param_at, weight_pointer
 from .host_side import HostSideMixin
 from .after_copy import AfterCopyMixin
 from .stats import OffloadStats, snapshot
-
-log = logging.getLogger("layerwise_offload")
 
 _compiler_disable = torch.compiler.disable
 
@@ -60,7 +58,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         self._named_params = [block_parameters(b) for b in self.blocks]
         # Where each block's parameters point now (in _named_params order), to notice outside moves.
         self._expected_pointers: List[Optional[List[int]]] = [None] * len(self.blocks)
-        self._check_no_shared_parameters()
+        check_no_shared_parameters(self._named_params)
         self.backend = make_backend(self.device, self.config.measure_time)
         self.store: Optional[HostStore] = None
         self.inference_tensors = False  # whether the blocks' parameters (and so our buffers) are inference tensors
@@ -174,7 +172,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         streamed = schedule.streamed_blocks
         slot_count = min(self.config.prefetch_size + 1, len(streamed))
         slot_bytes = max((sizes[i] for i in streamed), default=0)
-        self._move_block_buffers(self.device)
+        move_block_buffers(self.blocks, self.device)
         self._sync_pinning(schedule)
         residents = {index: self._allocate_device(sizes[index]) for index in schedule.resident_blocks}
         slots = [self._allocate_device(slot_bytes) for _ in range(slot_count)]
@@ -193,13 +191,6 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
     def _allocate_device(self, nbytes: int) -> torch.Tensor:
         with torch.inference_mode(self.inference_tensors):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-    def _move_block_buffers(self, device: torch.device) -> None:
-        for block in self.blocks:
-            for module in block.modules():
-                for key, buffer in module._buffers.items():
-                    if buffer is not None and buffer.device != device:
-                        module._buffers[key] = buffer.to(device)
 
     # ----------------------------------------------------------------- copies
     def _materialize(self, index: int, protect: Iterable[int] = (), may_fail: bool = False, after=None) -> bool:
@@ -398,20 +389,10 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         if self.store is not None:
             self._drop_store(target)
         self._expected_pointers = [None] * self.num_blocks
-        self._move_block_buffers(target)
+        move_block_buffers(self.blocks, target)
         self._placeholders = {}
 
     def stats(self, synchronize: bool = True) -> OffloadStats:
         """A snapshot of the counters; ``synchronize`` waits for pending copy timings first."""
         self.backend.settle(block=synchronize)
         return snapshot(self, self.schedule or self._make_schedule())
-
-    def _check_no_shared_parameters(self) -> None:
-        owner: Dict[int, int] = {}
-        for index, named in enumerate(self._named_params):
-            for name, param in named:
-                first = owner.setdefault(id(param), index)
-                if first != index:
-                    raise ValueError(
-                        f"parameter {name!r} of block {index} is shared with block {first}; "
-                        f"blocks that share weights cannot be offloaded separately")
