@@ -16,6 +16,7 @@ DESIGN_BLOCK_LISTS = {
     "hunyuan_video": ("double_blocks", "single_blocks"),
     "sd3": ("joint_blocks",),
     "lumina2": ("context_refiner", "noise_refiner", "layers"),
+    "ltxv": ("transformer_blocks",),
 }
 
 FAMILIES = sorted(tiny_dits.TINY_FAMILIES)
