@@ -13,6 +13,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from .resident_staging import PinnedBounce, bounce_for
+
 # transform(block index, the block's weights on the device in ``BlockLayout.weights`` order); in place.
 BlockTransform = Callable[[int, Sequence[torch.Tensor]], None]
 
@@ -21,6 +23,9 @@ class AfterCopyMixin:
     """The transform hook of :class:`LayerwiseOffloadManager`."""
 
     _after_copy: Optional[BlockTransform] = None
+    _bounce: Optional[PinnedBounce] = None  # the page-locked ring residents are copied through while arming
+    _bounce_refused = False  # the pinner refused it this arming: the residents copy from pageable memory
+    resident_bounce_bytes: Optional[int] = None  # the ring's chunk size (None: resident_staging.CHUNK_BYTES)
 
     @property
     def after_copy(self) -> Optional[BlockTransform]:
@@ -41,10 +46,30 @@ class AfterCopyMixin:
     def _copy_in(self, index: int, device_buffer: torch.Tensor, host_buffer: torch.Tensor, after,
                  device_weights: Sequence[torch.Tensor]):
         transform = self._after_copy
-        if transform is None:
-            return self.backend.copy(device_buffer, host_buffer, after=after)
-
-        def then():
-            with torch.no_grad():
-                transform(index, device_weights)
+        then = None
+        if transform is not None:
+            def then():
+                with torch.no_grad():
+                    transform(index, device_weights)
+        bounce = self._resident_bounce(index)
+        if bounce is not None:
+            return bounce.copy(self.backend, device_buffer, host_buffer, after=after, then=then)
         return self.backend.copy(device_buffer, host_buffer, after=after, then=then)
+
+    def _resident_bounce(self, index: int) -> Optional[PinnedBounce]:
+        """The bounce ring for a resident whose host copy is pageable, on an asynchronous device (resident_staging.py)."""
+        if not (self.schedule.resident[index] and self.pin_memory and self.pinner is not None
+                and self._copy_is_pageable(index)):
+            return None
+        if self._bounce is None and not self._bounce_refused:
+            self._bounce = bounce_for(self.pinner, self.resident_bounce_bytes)
+            self._bounce_refused = self._bounce is None
+        return self._bounce
+
+    def _retire_bounce(self, wait: bool = False) -> None:
+        """Free the bounce ring once its copies are done (``wait``: wait for them); the next arming may ask again."""
+        if self._bounce is not None and (wait or self._bounce.idle()):
+            self._bounce.close()
+            self._bounce = None
+        if wait:
+            self._bounce_refused = False

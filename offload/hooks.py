@@ -103,25 +103,29 @@ class HookMixin:
         self._forward_bytes = 0
         self._forward_copies = 0
         self.backend.settle(block=False)
+        self._retire_bounce()
         self._begin_tracking()
 
     @_compiler_disable
     def end_forward(self, completed: bool = True) -> None:
-        """Close a forward: learn its call order, and make what it prefetched safe to read.
+        """Close a forward: learn its call order, and keep what it prefetched out of outside code's reach.
 
-        Blocks prefetched for the next forward point at device memory whose copy may still be in
-        flight on the copy stream. Code outside the hooks (ComfyUI reading weights, a run of this
-        model without the offload) would read them without waiting, so the current stream waits now.
+        Blocks prefetched for the next forward sit in device memory whose copy may still be in flight on the
+        copy stream. Code outside the hooks (ComfyUI reading weights, a run of this model without the offload)
+        would read them without waiting; making the compute stream wait here instead would hold everything
+        queued after this forward (the sampler's math, the next forward's resident blocks) behind the next
+        forward's first copies. So their parameters point back at the host copy (or the placeholders) until
+        their block's pre-hook waits for the copy on the compute stream and points them at the device again.
         """
         self._last_forward_bytes = self._forward_bytes
         self._last_forward_copies = self._forward_copies
         self._end_tracking(completed)
-        self.wait_for_pending_copies()
+        self._hide_pending_copies()
         if self._release_after_forward:
             self.release_all()
 
-    def wait_for_pending_copies(self) -> None:
+    def _hide_pending_copies(self) -> None:
         for index, handle in enumerate(self._pending_copy):
-            if handle is not None:
-                self.backend.wait_for_copy(handle)
-                self._pending_copy[index] = None
+            if handle is not None and index not in self._hidden:
+                self._point_released(index)
+                self._hidden.add(index)

@@ -26,12 +26,12 @@ from .hooks import HookMixin
 from .tensor_subclass import point_param_at, weight_pointer
 from .host_side import HostSideMixin
 from .after_copy import AfterCopyMixin
-from .stats import OffloadStats, snapshot
+from .stats import CountersMixin, OffloadStats, snapshot
 
 _compiler_disable = torch.compiler.disable
 
 
-class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCopyMixin):
+class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCopyMixin, CountersMixin):
     """Keeps the leading (or strided) blocks on ``device`` and streams the rest from host memory.
 
     Args:
@@ -139,6 +139,9 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         if handle is not None:
             self.backend.wait_for_copy(handle)
             self._pending_copy[index] = None
+        if index in self._hidden:  # prefetched by the last forward (hooks.end_forward): the wait is queued now
+            self._hidden.discard(index)
+            self._point_at(index, self._device_views[index])
         self._running[index] += 1
         self._prefetch_after(index, pageable=False)
 
@@ -230,6 +233,8 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
                                                            self._copy_source(index), after, views)
         self._copy_sourced(index, handle)
         self._point_at(index, views)
+        self._device_views[index] = views
+        self._hidden.discard(index)
         self._materialized[index] = True
         self._count_copy(index, layout.nbytes)
         self._note_peaks()
@@ -249,22 +254,6 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
                 self._release(owner)
                 return slot
         return None
-
-    def _count_copy(self, index: int, nbytes: int) -> None:
-        self._bytes_copied += nbytes
-        self._copies_issued += 1
-        self._forward_bytes += nbytes
-        self._forward_copies += 1
-        self.copies_per_block[index] += 1
-
-    def reset_peaks(self) -> None:
-        """Start the peak counters (materialized blocks, device bytes) again from what is held now."""
-        self._peak_materialized = sum(self._materialized)
-        self._peak_device_bytes = self.device_bytes()
-
-    def _note_peaks(self) -> None:
-        self._peak_materialized = max(self._peak_materialized, sum(self._materialized))
-        self._peak_device_bytes = max(self._peak_device_bytes, self.device_bytes())
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         key = (dtype, self.inference_tensors)
@@ -309,6 +298,8 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         self._point_released(index)
         self._materialized[index] = False
         self._pending_copy[index] = None
+        self._hidden.discard(index)
+        self._device_views.pop(index, None)
         slot = self._block_slot[index]
         if slot is not None:
             self._slot_owner[slot] = None
@@ -353,6 +344,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
                 for index in range(self.num_blocks):
                     self._release(index)
             self.backend.settle(block=True)
+            self._retire_bounce(wait=True)
         finally:
             # Even when a failed forward left the bookkeeping half-updated, nothing of it survives.
             self._reset_device_state()
@@ -369,6 +361,8 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         self._slot_owner: List[Optional[int]] = []
         self._slot_free: List[object] = []
         self._view_cache: Dict[tuple, list] = {}
+        self._device_views: Dict[int, list] = {}  # what a materialized block's parameters view on the device
+        self._hidden: set = set()  # materialized blocks pointed at the host until their copy is waited for
 
     def replan(self, **changes) -> None:
         """Change resident_layers / prefetch_size / policy; takes effect at the next forward."""

@@ -81,3 +81,23 @@ def snapshot(manager, schedule) -> OffloadStats:
         disk_stall_seconds=disk.stall_seconds if disk is not None else 0.0,
         staging_bytes=disk.ring_bytes if disk is not None else 0,
     )
+
+
+class CountersMixin:
+    """The copy and peak counters of :class:`LayerwiseOffloadManager` that :func:`snapshot` reads."""
+
+    def _count_copy(self, index: int, nbytes: int) -> None:
+        self._bytes_copied += nbytes
+        self._copies_issued += 1
+        self._forward_bytes += nbytes
+        self._forward_copies += 1
+        self.copies_per_block[index] += 1
+
+    def reset_peaks(self) -> None:
+        """Start the peak counters (materialized blocks, device bytes) again from what is held now."""
+        self._peak_materialized = sum(self._materialized)
+        self._peak_device_bytes = self.device_bytes()
+
+    def _note_peaks(self) -> None:
+        self._peak_materialized = max(self._peak_materialized, sum(self._materialized))
+        self._peak_device_bytes = max(self._peak_device_bytes, self.device_bytes())

@@ -63,8 +63,9 @@ def test_out_of_memory_while_arming_leaves_a_usable_manager(x, failing_allocatio
 
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_copies_pending_when_a_forward_ends_are_waited_on_before_outside_reads(x, prefetch):
-    """Blocks prefetched for the next forward stay pointed at slots whose copies may still be running;
-    anything reading the weights after the forward (on the current stream) must see finished copies."""
+    """Blocks prefetched for the next forward have copies that may still be running; anything reading the
+    weights after the forward (on the current stream) must see finished copies or the host copy, never a slot
+    still being written."""
     model = ToyTransformer()
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=1,
                                       prefetch_size=prefetch)
@@ -78,6 +79,32 @@ def test_copies_pending_when_a_forward_ends_are_waited_on_before_outside_reads(x
             read = fake.compute.tick()  # code outside the hooks reads the weights now
             for index in manager.materialized_blocks():
                 span = fakes.storage_range(model.blocks_in_call_order()[index])
-                writer = [w for w in backend.writes if fakes.overlaps((w[0], w[1]), span)][-1]
-                assert fakes.happens_before(writer[3], read), f"block {index}'s copy may still be running"
+                writers = [w for w in backend.writes if fakes.overlaps((w[0], w[1]), span)]
+                assert not writers or fakes.happens_before(writers[-1][3], read), (
+                    f"block {index}'s parameters view device memory whose copy may still be running")
+    manager.detach()
+
+
+@pytest.mark.parametrize("resident, prefetch", [(1, 1), (2, 2), (0, 1)])
+def test_the_compute_stream_does_not_wait_for_the_next_forwards_prefetch(x, resident, prefetch):
+    """After a forward, the copies prefetched for the next one run on the copy stream while the compute stream
+    goes on (the sampler's math, the next forward's resident blocks); its first streamed block waits for them."""
+    with torch.no_grad():
+        want = ToyTransformer()(x)
+    model = ToyTransformer()
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=resident,
+                                      prefetch_size=prefetch)
+    fake = fakes.FakeCudaModule()
+    manager.backend = backend = fakes.RecordingBackend(fake)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(x), want)
+            prefetched = [i for i in manager.materialized_blocks() if not manager.schedule.resident[i]]
+            assert prefetched
+            for index in prefetched:
+                slot = manager._slots[manager._block_slot[index]]
+                start = slot.data_ptr()
+                writer = [w for w in backend.writes if fakes.overlaps((w[0], w[1]), (start, start + slot.numel()))][-1]
+                assert not fakes.happens_before(writer[3], fake.compute.clock), (
+                    f"the compute stream waits at the end of the forward for block {index}'s prefetch")
     manager.detach()
