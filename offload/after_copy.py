@@ -52,9 +52,11 @@ class AfterCopyMixin:
                 with torch.no_grad():
                     transform(index, device_weights)
         bounce = self._resident_bounce(index)
-        if bounce is not None:
+        if bounce is not None:  # the host read the store buffer itself, synchronously
             return bounce.copy(self.backend, device_buffer, host_buffer, after=after, then=then)
-        return self.backend.copy(device_buffer, host_buffer, after=after, then=then)
+        handle = self.backend.copy(device_buffer, host_buffer, after=after, then=then)
+        self._host_reads[index] = handle  # the last copy reading the block's host buffer (host_side._sync_pinning)
+        return handle
 
     def _resident_bounce(self, index: int) -> Optional[PinnedBounce]:
         """The bounce ring for a resident whose host copy is pageable, on an asynchronous device (resident_staging.py)."""

@@ -54,6 +54,9 @@ class SyncBackend:
     def mark_compute(self):
         return None
 
+    def wait_host(self, handle: Optional[CopyHandle]) -> None:
+        pass
+
     def settle(self, block: bool = True) -> None:
         pass
 
@@ -114,6 +117,11 @@ class StreamBackend:
             self._pending.append((before, after, True))
         else:
             compute.wait_event(handle.done)
+
+    def wait_host(self, handle: Optional[CopyHandle]) -> None:
+        """Block the host until the copy behind ``handle`` has finished (its source may then be changed)."""
+        if handle is not None:
+            handle.done.synchronize()
 
     def mark_compute(self):
         event = self.module.Event()

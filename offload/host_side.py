@@ -186,10 +186,12 @@ class HostSideMixin:
                 log.warning("[layerwise-offload] page-locking %.2f of %.2f GiB of streamed blocks to keep host memory "
                             "free (pinned memory cannot be swapped); the rest stays pageable and copies from it are "
                             "slower", total / 2**30, requested / 2**30)
-        if [i in chosen for i in range(self.num_blocks)] != store.pinned:
-            self.backend.synchronize()  # (un)registering memory a queued copy reads is undefined
-            for index in range(self.num_blocks):
-                store.set_pinned(index, index in chosen)
+        pinned = store.pinned
+        for index in [i for i in range(self.num_blocks) if (i in chosen) != pinned[i]]:
+            # (Un)registering memory a queued copy reads is undefined: wait for that block's last copy, not the
+            # whole copy stream, and leave the blocks whose membership stayed alone (gigabytes to re-register).
+            self.backend.wait_host(self._host_reads.pop(index, None))
+            store.set_pinned(index, index in chosen)
 
     def _copy_is_pageable(self, index: int) -> bool:
         if self._disk is not None and self._disk.holds(index):

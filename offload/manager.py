@@ -363,6 +363,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         self._view_cache: Dict[tuple, list] = {}
         self._device_views: Dict[int, list] = {}  # what a materialized block's parameters view on the device
         self._hidden: set = set()  # materialized blocks pointed at the host until their copy is waited for
+        self._host_reads: Dict[int, object] = {}  # block -> the last copy queued from its host buffer
 
     def replan(self, **changes) -> None:
         """Change resident_layers / prefetch_size / policy; takes effect at the next forward."""
