@@ -125,6 +125,39 @@ def copy_seconds(nbytes: int, device: torch.device, kind: str = "registered", re
     return statistics.median(times)
 
 
+def resident_copy(nbytes: int, device: torch.device) -> dict:
+    """A resident's copy as arming does it: pageable host memory through the page-locked bounce ring, queued on a
+    copy stream; GB/s to the copy's end, the seconds the host was held, and register + unregister s per GiB."""
+    from layerwise_offload.offload.device_backend import StreamBackend
+    from layerwise_offload.offload.pinning import CudaHostRegisterPinner
+    from layerwise_offload.offload.resident_staging import bounce_for
+    src = page_aligned_host(nbytes)
+    src.fill_(1)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    backend = StreamBackend(device, measure_time=False)
+    pinner = CudaHostRegisterPinner()
+    started = time.perf_counter()
+    granted = pinner.register(src)
+    if granted:
+        pinner.unregister(src)
+    register_s = (time.perf_counter() - started) * (1 << 30) / nbytes if granted else ""
+    bounce = bounce_for(pinner)
+    if bounce is None:
+        raise RuntimeError("the bounce ring could not be page-locked")
+    try:
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        handle = bounce.copy(backend, dst, src)
+        host_s = time.perf_counter() - started
+        handle.done.synchronize()
+        total_s = time.perf_counter() - started
+    finally:
+        bounce.close()
+    if not torch.equal(dst[:: 1 << 20].cpu(), src[:: 1 << 20]):
+        raise RuntimeError("the bounce copy did not arrive whole")
+    return {"gbps": nbytes / total_s / 1e9, "host_s": host_s, "register_s": register_s}
+
+
 # ----------------------------------------------------------------------------------------------- preflight
 def preflight(args, tables, state) -> int:
     table = tables["preflight"]
@@ -147,6 +180,17 @@ def preflight(args, tables, state) -> int:
         except Exception as error:  # noqa: BLE001 - a refused kind is a result
             add(f"h2d_gbps_{kind}", "", "GB/s", f"{type(error).__name__}: {error}"[:200])
     state.save("preflight", {"gbps": gbps.get("registered") or gbps.get("pinned") or 0.0})
+    if device.type == "cuda":
+        try:
+            resident = resident_copy(nbytes, device)
+            add("h2d_gbps_resident_bounce", resident["gbps"], "GB/s", f"{nbytes} B pageable through the 2 x 32 MiB "
+                f"page-locked ring (offload/resident_staging.py), host blocked {resident['host_s']:.3f} s")
+            add("register_s_per_gib", resident["register_s"], "s", "cudaHostRegister + Unregister of 1 GiB: what a "
+                "change of the streamed set pays per GiB of blocks whose membership changed")
+        except Exception as error:  # noqa: BLE001 - a refused ring is a result
+            add("h2d_gbps_resident_bounce", "", "GB/s", f"{type(error).__name__}: {error}"[:200])
+    else:
+        add("h2d_gbps_resident_bounce", "", "GB/s", "dry run: needs CUDA")
     if device.type == "cuda":
         # A refused registration (the same pages twice) must leave no error behind for the next kernel launch.
         pinner, buf = CudaHostRegisterPinner(), page_aligned_host(1 << 20)
