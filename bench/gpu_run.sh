@@ -9,7 +9,7 @@
 # and the next one runs. Rows are appended to $OUT/{preflight,blocks,steps}.csv as each is measured, so a cut
 # run keeps what it measured. The steps, in the order that decides most first (bench/gpu_steps.py says what
 # each measures):
-#   preflight    registered / pinned / pageable host->device GB/s, stale CUDA error after a refused
+#   preflight    registered / pinned / pageable / bounce-ring host->device GB/s, register s per GiB, stale CUDA error after a refused
 #                registration, the engine's per-block hook overhead                         (plain torch + pack)
 #   s075_*       ComfyUI 0.3.75: full load (+ per-block compute and copy ms), ComfyUI lowvram and this pack
 #                (auto) at equal ballast budgets, a small resident sweep at the smallest budget
