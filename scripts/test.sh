@@ -17,9 +17,9 @@ done
 args=("$@")
 if [[ $has_path == 0 ]]; then args=(tests "$@"); fi
 
-run_pytest() {  # venv-dir, then ComfyUI folder
+run_pytest() {  # venv-dir, ComfyUI folder, then pytest's arguments
     # -P: do not put the current folder (the repo root) on sys.path; its nodes/ would shadow ComfyUI's `nodes`.
-    COMFYUI_PATH="$2" "$1/bin/python" -P -m pytest "${args[@]}"
+    COMFYUI_PATH="$2" "$1/bin/python" -P -m pytest "${@:3}"
 }
 
 if [[ -n "${COMFYUI_PATH:-}" ]]; then
@@ -38,33 +38,58 @@ for v in "${versions[@]}"; do
     VENV="${venv_of[$v]}" bash scripts/install_browser.sh
 done
 
+# The versions run side by side (each pytest is mostly one busy core; on 2 cores this halves the wall time), each
+# with its own pytest temp folder, their lines prefixed with the version. PARALLEL=0 runs them one after another.
+# The newest frontend (PyPI comfyui-frontend-package, served with --front-end-root) over ComfyUI 0.14.1 follows the
+# 0.14.1 run: the Stats node's browser tests (what a person sees of the pack: the picture at the opening zoom, the
+# hints), when the whole suite (no path given) ran on 0.14.1. FRONTEND_158=0 leaves it out. test_browser.py's older
+# checks (node search, missing-node detection) are written against the pinned frontends 1.32 and 1.39.
+results="$(mktemp -d)"
+trap 'rm -rf "$results"' EXIT
+run_version() {  # version: writes "<label>|<exit status>" lines into $results/<version>
+    local v="$1" status=0
+    shift
+    echo "[layerwise-offload] ===== tests on ComfyUI $v (${venv_of[$v]}, ${comfy_of[$v]}) ====="
+    run_pytest "$ROOT/${venv_of[$v]}" "$ROOT/${comfy_of[$v]}" "${args[@]}" --basetemp="$results/tmp-$v" || status=$?
+    echo "ComfyUI $v|$status" >> "$results/$v"
+    if [[ $v == 0.14.1 && $has_path == 0 && "${FRONTEND_158:-1}" != 0 ]]; then
+        echo "[layerwise-offload] ===== Stats node browser tests on ComfyUI 0.14.1 with frontend 1.58.1 ====="
+        status=0
+        local static
+        static="$(bash scripts/install_frontend.sh | tail -n 1)" || status=$?
+        if [[ $status == 0 ]]; then
+            LAYERWISE_OFFLOAD_FRONTEND_ROOT="$static" run_pytest "$ROOT/.venv-0.14.1" "$ROOT/.comfyui/ComfyUI-0.14.1" \
+                tests/e2e/test_browser_stats.py "$@" --basetemp="$results/tmp-frontend" || status=$?
+        fi
+        echo "ComfyUI 0.14.1 + frontend 1.58.1 (browser)|$status" >> "$results/$v"
+    fi
+}
+pids=()
+for v in "${versions[@]}"; do
+    if [[ "${PARALLEL:-1}" != 0 && ${#versions[@]} -gt 1 ]]; then
+        # sed -u: whole lines, each marked with its version, as they come.
+        ( set -o pipefail; run_version "$v" "$@" 2>&1 | sed -u "s/^/[$v] /" ) &
+        pids+=($!)
+    else
+        run_version "$v" "$@"
+    fi
+done
+for pid in "${pids[@]}"; do wait "$pid" || true; done
 failed=()
 summary=()
 for v in "${versions[@]}"; do
-    echo "[layerwise-offload] ===== tests on ComfyUI $v (${venv_of[$v]}, ${comfy_of[$v]}) ====="
-    status=0
-    run_pytest "$ROOT/${venv_of[$v]}" "$ROOT/${comfy_of[$v]}" || status=$?
-    summary+=("ComfyUI $v: pytest exit $status")
-    [[ $status == 0 ]] || failed+=("$v")
-done
-# The newest frontend (PyPI comfyui-frontend-package, served with --front-end-root) over ComfyUI 0.14.1: the Stats
-# node's browser tests (what a person sees of the pack: the picture at the opening zoom, the hints), when the whole
-# suite (no path given) ran on 0.14.1. FRONTEND_158=0 leaves it out. test_browser.py's older checks (node search,
-# missing-node detection) are written against the pinned frontends 1.32 and 1.39.
-if [[ $has_path == 0 && " ${versions[*]} " == *" 0.14.1 "* && "${FRONTEND_158:-1}" != 0 ]]; then
-    echo "[layerwise-offload] ===== Stats node browser tests on ComfyUI 0.14.1 with frontend 1.58.1 ====="
-    status=0
-    static="$(bash scripts/install_frontend.sh | tail -n 1)" || status=$?
-    if [[ $status == 0 ]]; then
-        args=(tests/e2e/test_browser_stats.py "$@")
-        LAYERWISE_OFFLOAD_FRONTEND_ROOT="$static" run_pytest "$ROOT/.venv-0.14.1" "$ROOT/.comfyui/ComfyUI-0.14.1" \
-            || status=$?
+    if [[ ! -s "$results/$v" ]]; then
+        summary+=("ComfyUI $v: did not finish")
+        failed+=("$v")
+        continue
     fi
-    summary+=("ComfyUI 0.14.1 + frontend 1.58.1 (browser): pytest exit $status")
-    [[ $status == 0 ]] || failed+=("0.14.1+frontend-1.58.1")
-fi
+    while IFS='|' read -r label status; do
+        summary+=("$label: pytest exit $status")
+        [[ $status == 0 ]] || failed+=("$label")
+    done < "$results/$v"
+done
 for line in "${summary[@]}"; do echo "[layerwise-offload] $line"; done
 if [[ ${#failed[@]} -gt 0 ]]; then
-    echo "[layerwise-offload] FAILED on ComfyUI ${failed[*]}" >&2
+    printf "[layerwise-offload] FAILED: %s\n" "${failed[@]}" >&2
     exit 1
 fi

@@ -6,8 +6,8 @@ symlink ``custom_nodes/layerwise-offload -> <repo>`` (see devtools/server.py), n
 workflows use (ComfyUI-GGUF, unmodified from shared/peers, where it is there). ``LAYERWISE_OFFLOAD_CPU_LOOPBACK=1``
 makes the node run the real offload manager on the CPU instead of passing the model through.
 
-The tiny assets (devtools/e2e_assets.py) are built once into ``<repo>/.comfyui/e2e-assets`` (git-ignored, rebuilt
-when their recipe changes) and symlinked into each session's base folder.
+The tiny assets (devtools/e2e_assets.py) are built once into ``<repo>/.comfyui/e2e-assets/<run label>``
+(git-ignored, rebuilt when their recipe changes) and symlinked into each session's base folder.
 
 Environment: ``LAYERWISE_OFFLOAD_E2E_KEEP=1`` keeps the base folder (and prints where), ``COMFYUI_PATH`` as usual,
 ``LAYERWISE_OFFLOAD_FRONTEND_ROOT`` serves another frontend (ComfyUI's ``--front-end-root``),
@@ -28,10 +28,22 @@ from layerwise_offload.devtools import e2e_assets, peers
 from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
 
 REPO = Path(__file__).resolve().parents[2]
-ASSET_CACHE = REPO / ".comfyui" / "e2e-assets"
 CPU_LOOPBACK_ENV = "LAYERWISE_OFFLOAD_CPU_LOOPBACK"
 # A frontend other than the one ComfyUI pins, e.g. the static/ folder of PyPI's comfyui-frontend-package 1.58.1.
 FRONTEND_ROOT_ENV = "LAYERWISE_OFFLOAD_FRONTEND_ROOT"
+
+
+def run_label() -> str:
+    """This run's ComfyUI folder name (and its other frontend's), e.g. ``ComfyUI-0.14.1+frontend-1.58.1``:
+    scripts/test.sh runs the versions side by side, so what a run writes (assets, screenshots) is its own."""
+    label = Path(os.environ.get("COMFYUI_PATH") or REPO / ".comfyui" / "ComfyUI").name
+    front = os.environ.get(FRONTEND_ROOT_ENV)
+    if front:
+        label += "+" + next((p for p in Path(front).parts if p.startswith("frontend")), "other-frontend")
+    return label
+
+
+ASSET_CACHE = REPO / ".comfyui" / "e2e-assets" / run_label()
 
 
 def server_args() -> list:

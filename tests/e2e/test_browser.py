@@ -23,8 +23,10 @@ import pytest
 
 from layerwise_offload.devtools.peers import PEER_NODES
 
+from .conftest import run_label
+
 REPO = Path(__file__).resolve().parents[2]
-ARTIFACTS = REPO / "artifacts"
+ARTIFACTS = REPO / "artifacts" / run_label()  # each side-by-side run its own (scripts/test.sh)
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
 TINY = next((REPO / "workflows").glob("A tiny demo*.json"))
 CHROMIUM = os.environ.get("LAYERWISE_OFFLOAD_CHROMIUM", "/usr/bin/chromium")

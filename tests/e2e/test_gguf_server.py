@@ -1,7 +1,7 @@
 """GGUF through the real server: ComfyUI-GGUF (unmodified, from shared/peers) installed next to this pack.
 
 ``UnetLoaderGGUF -> LayerwiseOffload -> KSampler`` saves the same latent, bitwise, as ``UnetLoaderGGUF ->
-KSampler`` for F16, Q8_0, Q5_0 and Q4_0 blocks, with and without ``LoraLoaderModelOnly`` in front. The server is
+KSampler`` for F16 and Q4_0 blocks, with and without ``LoraLoaderModelOnly`` in front. The server is
 this module's own (another custom node pack in custom_nodes); skipped where shared/peers or gguf is missing.
 """
 
@@ -16,7 +16,7 @@ import safetensors.torch
 import torch
 
 from layerwise_offload.devtools import e2e_assets, peers
-from layerwise_offload.devtools.quantized_models import GGUF_TYPES, save_tiny_wan21_gguf
+from layerwise_offload.devtools.quantized_models import save_tiny_wan21_gguf
 from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
 
 pytest.importorskip("gguf", reason="the gguf package (a dev package of scripts/setup_env.sh) is not installed")
@@ -40,11 +40,16 @@ def write_lora(path, seed=5, blocks=4):
     safetensors.torch.save_file(lora, str(path))
 
 
+# Every type is compared in-process (tests/comfy/test_quantized_gguf.py); through the server a quantized type and
+# the float one.
+SERVER_TYPES = ("Q4_0", "F16")
+
+
 @pytest.fixture(scope="module")
 def gguf_server(tmp_path_factory, tiny_assets):
     base = prepare_base_dir(tmp_path_factory.mktemp("comfy_gguf_base"))
     peers.unpack_peer(base / "custom_nodes")
-    for qtype in GGUF_TYPES:
+    for qtype in SERVER_TYPES:
         save_tiny_wan21_gguf(base / "models" / "diffusion_models" / f"tiny_wan21_{qtype}.gguf", qtype, seed=0)
     (base / "models" / "loras").mkdir(parents=True, exist_ok=True)
     write_lora(base / "models" / "loras" / LORA)
@@ -82,7 +87,7 @@ def latent(server, entry):
     return safetensors.torch.load_file(str(files[0]))["latent_tensor"]
 
 
-@pytest.mark.parametrize("qtype", GGUF_TYPES)
+@pytest.mark.parametrize("qtype", SERVER_TYPES)
 def test_gguf_with_offload_equals_gguf_without(gguf_server, qtype):
     results = {}
     log_before = len(gguf_server.log_text())
