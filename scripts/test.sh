@@ -67,8 +67,11 @@ run_version() {  # version: writes "<label>|<exit status>" lines into $results/<
 pids=()
 for v in "${versions[@]}"; do
     if [[ "${PARALLEL:-1}" != 0 && ${#versions[@]} -gt 1 ]]; then
-        # sed -u: whole lines, each marked with its version, as they come.
-        ( set -o pipefail; run_version "$v" "$@" 2>&1 | sed -u "s/^/[$v] /" ) &
+        # One thread each: two runs of torch's default two threads on two cores spin against each other (OpenMP
+        # busy-waits) and run slower side by side than one after another. sed -u: whole lines, each marked with
+        # its version, as they come.
+        ( set -o pipefail; export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
+          run_version "$v" "$@" 2>&1 | sed -u "s/^/[$v] /" ) &
         pids+=($!)
     else
         run_version "$v" "$@"
