@@ -9,6 +9,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .checkpoint_file import drop_cached_pages, locate
 from .disk_budget import PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers
 from .disk_file import padded
 from .disk_tier import DiskTier
@@ -263,14 +264,25 @@ class HostSideMixin:
             named = block_parameters(self.blocks[index])
             self._named_params[index] = named
             layout = self.store.layouts[index] = plan_layout(named)
-            if on_disk:
+            sources = _packed_sources(layout)
+            extents = checkpoint_extents(layout, sources) if on_disk else None
+            if extents is not None:  # the checkpoint is the block's host copy: nothing to write
                 self.store.set_pinned(index, False)
-                self.store.buffers[index] = self._disk_tier(sum(self.block_nbytes())).write(
-                    index, layout.nbytes, lambda buffer: _fill(buffer, layout))
+                self._disk_tier(0).place(index, layout.nbytes, extents)
+                self.store.keep_mapped(index, sources)
+            elif on_disk:
+                self.store.set_pinned(index, False)
+                tier = self._disk_tier(sum(self.block_nbytes()))
+                tier.expected_bytes = max(tier.expected_bytes, sum(self.block_nbytes()))
+                self.store.buffers[index] = tier.write(index, layout.nbytes, lambda buffer: _fill(buffer, layout))
             else:
                 if self._disk is not None:
                     self._disk.forget(index)
                 self.store.pack_block(index, pin=False)  # page-locked by _sync_pinning, streamed blocks only
+            if extents is None:
+                # Packed from a mapped checkpoint: the pages read on the way are the file's, not needed again.
+                drop_cached_pages(sources)
+            del sources
             self._drop_views(index)
             self._materialized[index] = False
             self._point_released(index)
@@ -282,6 +294,18 @@ class HostSideMixin:
             return False
         return all(param is known and weight_pointer(param) == pointer
                    for (_, param), (_, known), pointer in zip(named, self._named_params[index], expected))
+
+
+def checkpoint_extents(layout, sources) -> Optional[List[tuple]]:
+    """[(path, file offset, nbytes, offset in the layout)] when every entry of ``layout`` is byte for byte a
+    contiguous tensor of a mapped checkpoint (``sources``: the entries' tensors now), else None."""
+    extents = []
+    for entry, source in zip(layout.entries, sources):
+        where = locate(source)
+        if where is None or where[2] != entry.span_elements * entry.dtype.itemsize or source.dtype != entry.dtype:
+            return None
+        extents.append((where[0], where[1], where[2], entry.offset))
+    return extents
 
 
 def _fill(buffer: torch.Tensor, layout) -> None:
