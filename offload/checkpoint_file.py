@@ -139,6 +139,11 @@ class CheckpointFile:
                                 offset=info.offset)
         return flat.view(info.shape)
 
+    def view_at(self, offset: int, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+        """A tensor over the file's bytes from ``offset`` (made in the caller's inference mode)."""
+        count = math.prod(shape)
+        return torch.frombuffer(self._area, dtype=dtype, count=count, offset=offset).view(shape)
+
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {name: self.tensor(name) for name in self.tensors}
 
