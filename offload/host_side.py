@@ -201,7 +201,10 @@ class HostSideMixin:
         """Give every parameter its own copy on ``target``, then unlock and free the store."""
         for index, layout in enumerate(self.store.layouts):
             with torch.inference_mode(params_are_inference(self._named_params[index])):
-                copies = [view.to(target, copy=True) for view in self.store.views(index)]
+                if index in self.store.mapped and target.type == "cpu":
+                    copies = self.store.views(index)  # the checkpoint's own tensors: no copy of a model bigger than RAM
+                else:
+                    copies = [view.to(target, copy=True) for view in self.store.views(index)]
                 for weight, view in zip(layout.weights, layout.weights_from(copies)):
                     point_param_at(weight.param, view)
         self.store.clear()

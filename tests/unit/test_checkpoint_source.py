@@ -130,6 +130,8 @@ def test_disk_blocks_read_from_the_checkpoint_write_nothing_and_give_the_same_ou
     assert read[3] - read[2] == read[2] - read[1] == streamed  # bytes read per step = the disk blocks' stored bytes
     assert not folder.exists() or cache_files(folder) == []  # nothing was written
     manager.detach()
+    # Detached, the blocks hold the file's tensors again: a model bigger than RAM is never copied into it.
+    assert all(locate(p) is not None for b in model.blocks_in_call_order() for p in b.parameters())
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
     assert (toy_file.read_bytes(), os.stat(toy_file).st_mtime_ns) == before  # the checkpoint is never written
