@@ -72,6 +72,10 @@ class HostSideMixin:
                 log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s) in %s", self._tier_plan.disk_blocks,
                          self.num_blocks, self._tier_plan.reason, self.disk_folder or default_disk_folder())
         self._pack_blocks(changed, progress)
+        disk = self._disk
+        if changed and disk is not None and disk.extents:
+            log.info("[layerwise-offload] host store: %d disk blocks read straight from the checkpoint (nothing "
+                     "written for them), %d from the cache file", len(disk.extents), len(disk.regions) - len(disk.extents))
         if old_disk is not None:
             old_disk.close()
         return changed
