@@ -11,6 +11,7 @@ The figures printed: the cgroup's peak, the server's anonymous RSS growth, the d
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -80,6 +81,15 @@ def loader_prompt(prefix, offload=None):
     return prompt
 
 
+def test_the_loader_is_registered_with_unetloaders_inputs(big_server):
+    server = big_server[0]
+    info = server.get_json("/api/object_info/" + LOADER)[LOADER]
+    assert info["display_name"] == "Load Diffusion Model (Layerwise)" and info["output"] == ["MODEL"]
+    assert list(info["input_order"]["required"]) == ["unet_name", "weight_dtype"]
+    assert MODEL_NAME in json.dumps(info["input"]["required"]["unet_name"])
+    assert all(d in json.dumps(info["input"]["required"]["weight_dtype"]) for d in ("default", "fp8_e4m3fn", "fp8_e5m2"))
+
+
 def test_a_dit_twice_the_cgroup_runs_from_the_file_and_ram_is_refused(big_server):
     server, cgroup, path, figures = big_server
     before_file = (path.stat().st_size, path.stat().st_mtime_ns)
@@ -114,6 +124,18 @@ def test_a_dit_twice_the_cgroup_runs_from_the_file_and_ram_is_refused(big_server
     # loopback's two slots ("VRAM"), 5 % and 64 MiB of slack.
     non_block = figures["weights"] - figures["blocks"]
     allowed = 1.05 * (non_block + (3 + ram_blocks) * figures["block"]) + 2 * figures["block"] + 64 * MiB
+    assert rss - rss_before <= allowed, f"RSS grew {(rss - rss_before) / MiB:.0f} MiB, allowed {allowed / MiB:.0f}"
+
+    # host_store = disk: every block read from the file, RAM grows by the non-block weights and the ring only.
+    unload_everything(server)
+    rss_before = settled_rss(server.proc.pid)
+    entry = server.run_prompt(loader_prompt("bigload/alldisk", dict(offload, host_store="disk")), timeout=600)
+    rss = anon_rss(server.proc.pid)
+    assert torch.equal(saved_latent(server, entry), got)
+    allowed = 1.05 * (non_block + 3 * figures["block"]) + 2 * figures["block"] + 64 * MiB
+    print(f"[layerwise-offload] host_store = disk: server anonymous RSS {(rss - rss_before) / MiB:+.0f} MiB "
+          f"(non-block weights {non_block / MiB:.0f} MiB + ring {3 * figures['block'] / MiB:.0f} MiB + "
+          f"2 loopback slots {2 * figures['block'] / MiB:.0f} MiB)")
     assert rss - rss_before <= allowed, f"RSS grew {(rss - rss_before) / MiB:.0f} MiB, allowed {allowed / MiB:.0f}"
 
     # host_store = ram cannot fit: refused at the node with the message naming the fix, the server keeps serving.
