@@ -69,6 +69,7 @@ class DiskTier:
         self.regions: Dict[int, tuple] = {}  # block -> (cache-file offset, or None for the checkpoint; nbytes)
         self.extents: Dict[int, List[tuple]] = {}  # checkpoint blocks -> [(path, file offset, nbytes, offset)]
         self._fds: Dict[str, int] = {}  # checkpoint path -> O_RDONLY descriptor
+        self.kept: Dict[int, tuple] = {}  # checkpoint blocks -> (layout, [(entry index, RAM tensor)])
         self.ring_size = max(2, int(ring_size))
         self.ring: List[_Staging] = []
         self.ring_bytes_each = 0
@@ -107,13 +108,17 @@ class DiskTier:
     def checkpoint_bytes(self) -> int:
         return sum(self.regions[i][1] for i in self.extents)
 
-    def place(self, index: int, nbytes: int, extents: Sequence[tuple]) -> None:
+    def place(self, index: int, nbytes: int, extents: Sequence[tuple], kept: Sequence[tuple] = (),
+              layout=None) -> None:
         """Block ``index`` is read from the checkpoint: ``extents`` = [(path, file offset, nbytes, offset in the
-        block's layout)]; nothing is written."""
+        block's layout)]; nothing is written. ``kept`` = [(entry index in ``layout``, tensor)]: the few entries
+        that are not the file's bytes, copied from RAM into the staging buffer with each read."""
         self.forget(index)
         self._ensure_ring(nbytes)
         self.regions[index] = (None, nbytes)
         self.extents[index] = list(extents)
+        if kept:
+            self.kept[index] = (layout, list(kept))
         for path, *_ in extents:
             if path not in self._fds:
                 self._fds[path] = os.open(path, os.O_RDONLY)
@@ -142,6 +147,7 @@ class DiskTier:
                 staging.block = None
         self.regions.pop(index, None)
         self.extents.pop(index, None)
+        self.kept.pop(index, None)
 
     # ----------------------------------------------------------------- the ring
     def _ensure_ring(self, nbytes: int) -> None:
@@ -203,6 +209,8 @@ class DiskTier:
             jobs = [(self._read_checkpoint, view[at + start:at + start + min(CHUNK_BYTES, size - start)],
                      self._fds[path], where + start)
                     for path, where, size, at in self.extents[index] for start in range(0, size, CHUNK_BYTES)]
+            if index in self.kept:
+                jobs.append((self._fill_kept, staging.buffer.narrow(0, 0, nbytes), self.kept[index], None))
         else:
             jobs = [(self.file.read_into, view[start:start + min(CHUNK_BYTES, length - start)], None, offset + start)
                     for start in range(0, length, CHUNK_BYTES)]
@@ -221,7 +229,9 @@ class DiskTier:
     def _read(self, job: tuple, remaining: list) -> None:
         read, view, fd, offset = job
         try:
-            if fd is None:
+            if offset is None:
+                read(view, fd)
+            elif fd is None:
                 read(view, offset)
             else:
                 read(view, fd, offset)
@@ -235,6 +245,14 @@ class DiskTier:
                 self._in_flight -= 1
                 if self._in_flight == 0:
                     self.read_seconds += time.perf_counter() - self._busy_since
+
+    @staticmethod
+    def _fill_kept(buffer: torch.Tensor, kept: tuple) -> None:
+        layout, entries = kept
+        views = layout.views(buffer)
+        with torch.no_grad():
+            for position, tensor in entries:
+                views[position].copy_(tensor)
 
     @staticmethod
     def _read_checkpoint(view: memoryview, fd: int, offset: int) -> None:
@@ -298,6 +316,7 @@ class DiskTier:
         self.ring = []
         self.regions = {}
         self.extents = {}
+        self.kept = {}
         for fd in self._fds.values():
             os.close(fd)
         self._fds = {}

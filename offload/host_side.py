@@ -272,10 +272,11 @@ class HostSideMixin:
             self._named_params[index] = named
             layout = self.store.layouts[index] = plan_layout(named)
             sources = _packed_sources(layout)
-            extents = checkpoint_extents(layout, sources) if on_disk else None
+            found = checkpoint_extents(layout, sources) if on_disk else None
+            extents = None if found is None else found[0]
             if extents is not None:  # the checkpoint is the block's host copy: nothing to write
                 self.store.set_pinned(index, False)
-                self._disk_tier(0).place(index, layout.nbytes, extents)
+                self._disk_tier(0).place(index, layout.nbytes, extents, found[1], layout)
                 self.store.keep_mapped(index, sources)
             elif on_disk:
                 self.store.set_pinned(index, False)
@@ -303,16 +304,27 @@ class HostSideMixin:
                    for (_, param), (_, known), pointer in zip(named, self._named_params[index], expected))
 
 
-def checkpoint_extents(layout, sources) -> Optional[List[tuple]]:
-    """[(path, file offset, nbytes, offset in the layout)] when every entry of ``layout`` is byte for byte a
-    contiguous tensor of a mapped checkpoint (``sources``: the entries' tensors now), else None."""
-    extents = []
-    for entry, source in zip(layout.entries, sources):
+# A block is read from the checkpoint when at most this share of its bytes is not the file's (a converted scale
+# of a quantized layer, say): those few bytes stay in RAM and are copied into the staging buffer with the reads.
+CONVERTED_SHARE_LIMIT = 1 / 16
+
+
+def checkpoint_extents(layout, sources):
+    """``(extents, kept)`` for a block read from a mapped checkpoint: extents [(path, file offset, nbytes, offset in
+    the layout)] of the entries that are byte for byte a contiguous tensor of the file, kept [(entry index,
+    tensor)] for the rest (held in RAM); None when no entry is the file's, or the rest is more than
+    :data:`CONVERTED_SHARE_LIMIT` of the block (``sources``: the entries' tensors now)."""
+    extents, kept, kept_bytes = [], [], 0
+    for position, (entry, source) in enumerate(zip(layout.entries, sources)):
         where = locate(source)
         if where is None or where[2] != entry.span_elements * entry.dtype.itemsize or source.dtype != entry.dtype:
-            return None
-        extents.append((where[0], where[1], where[2], entry.offset))
-    return extents
+            kept.append((position, source))
+            kept_bytes += entry.span_elements * entry.dtype.itemsize
+        else:
+            extents.append((where[0], where[1], where[2], entry.offset))
+    if not extents or kept_bytes > layout.nbytes * CONVERTED_SHARE_LIMIT:
+        return None
+    return extents, kept
 
 
 def _fill(buffer: torch.Tensor, layout) -> None:

@@ -144,3 +144,19 @@ def test_two_experts_alternate_with_neither_ones_streamed_blocks_in_ram(wan_file
         stats = manager_of(expert).stats()
         assert stats.host_bytes == 0 and stats.disk_checkpoint_blocks == BLOCK_COUNT
     assert written(disk_dir) == []
+
+
+def test_quantized_tensor_weights_from_the_loader_stream_bitwise(tmp_path, disk_dir):
+    """ComfyUI's mixed-precision fp8 file: its layers wrap the file's fp8 data and scale in a QuantizedTensor
+    without a copy, so those blocks too are read from the checkpoint, parts and all."""
+    from layerwise_offload.devtools.quantized_models import save_tiny_wan21_fp8_mixed
+    path = save_tiny_wan21_fp8_mixed(tmp_path / "mixed.safetensors")
+    want = tiny_dits.sample(comfy.sd.load_diffusion_model(path), seed=8)
+    mm.unload_all_models()
+    model = load_diffusion_model_layerwise(path, {})
+    weight = model.model.diffusion_model.blocks[0].self_attn.q.weight
+    assert type(weight.data) is not torch.Tensor  # a QuantizedTensor, as UNETLoader makes it
+    offloaded = offload_model(model, 0, 1, "leading", False, "disk")
+    assert torch.equal(tiny_dits.sample(offloaded, seed=8), want)
+    stats = manager_of(offloaded).stats()
+    assert stats.disk_checkpoint_blocks == BLOCK_COUNT and written(disk_dir) == []

@@ -187,3 +187,27 @@ def test_auto_packs_ram_blocks_from_the_mapping_and_reads_the_rest_from_the_file
     assert sorted(manager._disk.extents) == [i for i, t in enumerate(tiers) if t == "disk"]
     assert all(not is_mapped(manager.store.buffers[i]) for i, t in enumerate(tiers) if t == "ram")
     manager.detach()
+
+
+def test_a_few_converted_bytes_stay_in_ram_and_the_rest_of_the_block_still_reads_the_file(
+        tmp_path, toy_file, sample_input):
+    """A quantized layer's scale converted on load, say: the block is still read from the checkpoint and the
+    converted entry (here the 64-byte gate of block 3) is copied from RAM into the staging buffer with each read."""
+    model, _ = mapped_toy(toy_file)
+    blocks = model.blocks_in_call_order()
+    with torch.no_grad():
+        blocks[3].gate = torch.nn.Parameter(blocks[3].gate * 2, requires_grad=False)
+    want_model = ToyTransformer()
+    want_model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
+    with torch.no_grad():
+        want = want_model(sample_input)
+    manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=0, prefetch_size=1, host_store="disk")
+    manager.disk_folder = str(tmp_path / "cache")
+    manager.available_host_bytes = lambda: 2**40
+    manager.attach(model)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(sample_input), want)
+    assert sorted(manager._disk.extents) == list(range(NUM_BLOCKS)) and list(manager._disk.kept) == [3]
+    assert not (tmp_path / "cache").exists() or cache_files(tmp_path / "cache") == []
+    manager.detach()
