@@ -160,3 +160,10 @@ def test_quantized_tensor_weights_from_the_loader_stream_bitwise(tmp_path, disk_
     assert torch.equal(tiny_dits.sample(offloaded, seed=8), want)
     stats = manager_of(offloaded).stats()
     assert stats.disk_checkpoint_blocks == BLOCK_COUNT and written(disk_dir) == []
+
+
+def test_the_run_line_says_which_disk_blocks_come_from_the_checkpoint(wan_files, disk_dir):
+    offloaded = offload_model(load_diffusion_model_layerwise(wan_files[1], {}), 0, 1, "leading", False, "disk")
+    tiny_dits.sample(offloaded, seed=1, steps=2)
+    figures = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].last_report.figures()
+    assert f"{BLOCK_COUNT} blocks on disk ({BLOCK_COUNT} from the checkpoint file)" in figures, figures
