@@ -1,11 +1,13 @@
-"""A DiT twice the size of its memory cgroup runs to the end: Load Diffusion Model (Layerwise) leaves the blocks in
+"""A DiT bigger than its memory allowance runs to the end: Load Diffusion Model (Layerwise) leaves the blocks in
 the safetensors file and the offload node streams them from it (host_store auto), bitwise equal to ComfyUI's full
 load computed outside the limit. host_store = ram is refused with the clear message and the server keeps serving.
 
 One fresh server inside a memory cgroup (no swap). The model is a real ComfyUI Wan 2.1 of tiny activations but
-32 blocks of 64 MiB (2.1 GiB, fp32, written once per module into a tmp folder). The limit is what the warm server
-holds before the model (Python, torch, ComfyUI: about 1.5 GiB here, more than half the model) plus half the file,
-plus what the CPU loopback's "VRAM" holds (the two streaming slots of prefetch 1): a GPU holds those in VRAM.
+32 blocks of 64 MiB (2.1 GiB, fp32, written once per module into a tmp folder). In the suite the limit is what the
+warm server holds before the model (Python, torch, ComfyUI: about 0.55 GiB here, half this model) plus half the
+file, plus what the CPU loopback's "VRAM" holds (the two streaming slots of prefetch 1; a GPU holds those in VRAM).
+``LAYERWISE_OFFLOAD_BIG_DIT_BLOCKS=72 LAYERWISE_OFFLOAD_CGROUP_HALF_DIT=1`` runs the strict form: a 4.7 GiB DiT
+in a cgroup of half its size, server, loopback slots and all (a few minutes; not in the suite).
 The figures printed: the cgroup's peak, the server's anonymous RSS growth, the disk read rate.
 """
 
@@ -29,13 +31,16 @@ from .test_host_rss import anon_rss, one_step_prompt, settled_rss, unload_everyt
 from .test_server import saved_latent
 
 MODEL_NAME = "layerwise_offload_big_wan21.safetensors"
-CONFIG = dict(tiny_dits.WAN21_TINY_CONFIG, dim=1024, num_heads=8, ffn_dim=4096, num_layers=32)
+BLOCKS = int(os.environ.get("LAYERWISE_OFFLOAD_BIG_DIT_BLOCKS", "32"))
+CONFIG = dict(tiny_dits.WAN21_TINY_CONFIG, dim=1024, num_heads=8, ffn_dim=4096, num_layers=BLOCKS)
+# The whole cgroup is half the DiT (server included), instead of the server's own memory + half the DiT.
+HALF_DIT = os.environ.get("LAYERWISE_OFFLOAD_CGROUP_HALF_DIT") == "1"
 LOADER = "LayerwiseOffloadLoadDiffusionModel"
 MiB = 2**20
 
 
 def write_big_wan(path) -> dict:
-    """The 2.1 GiB Wan, written block by block (the whole state dict never sits in RAM twice)."""
+    """The big Wan (2.1 GiB at 32 blocks), written block by block (the whole state dict never sits in RAM twice)."""
     patcher = tiny_dits._build("WAN21_T2V", CONFIG, 11, torch.float32)
     state = {k: v.detach().contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
     safetensors.torch.save_file(state, str(path))
@@ -90,7 +95,7 @@ def test_the_loader_is_registered_with_unetloaders_inputs(big_server):
     assert all(d in json.dumps(info["input"]["required"]["weight_dtype"]) for d in ("default", "fp8_e4m3fn", "fp8_e5m2"))
 
 
-def test_a_dit_twice_the_cgroup_runs_from_the_file_and_ram_is_refused(big_server):
+def test_a_dit_twice_its_memory_allowance_runs_from_the_file_and_ram_is_refused(big_server):
     server, cgroup, path, figures = big_server
     before_file = (path.stat().st_size, path.stat().st_mtime_ns)
     offload = {"resident_layers": 0, "prefetch_size": 1, "host_store": "auto"}
@@ -100,6 +105,12 @@ def test_a_dit_twice_the_cgroup_runs_from_the_file_and_ram_is_refused(big_server
     baseline, rss_before = cgroup.usage(), settled_rss(server.proc.pid)
     # Half the DiT on top of what the server held before it; + the loopback's two streaming slots ("VRAM").
     limit = baseline + path.stat().st_size // 2 + 2 * figures["block"]
+    if HALF_DIT:
+        limit = path.stat().st_size // 2
+        needed = baseline + 6 * figures["block"] + (figures["weights"] - figures["blocks"])
+        if limit < needed:
+            pytest.skip(f"half the DiT ({limit / MiB:.0f} MiB) is less than the server ({baseline / MiB:.0f} MiB) "
+                        f"+ ring, slots and non-block weights: set LAYERWISE_OFFLOAD_BIG_DIT_BLOCKS higher")
     cgroup.set_limit(limit)
     cgroup.reset_peak()
     started = time.perf_counter()
@@ -111,8 +122,9 @@ def test_a_dit_twice_the_cgroup_runs_from_the_file_and_ram_is_refused(big_server
     seconds = time.perf_counter() - started
     got = saved_latent(server, entry)
     log = server.log_text()
-    print(f"\n[layerwise-offload] {path.stat().st_size / MiB:.0f} MiB DiT, cgroup limit {limit / MiB:.0f} MiB = server "
-          f"{baseline / MiB:.0f} MiB + half the DiT + 2 slots: peak {peak / MiB:.0f} MiB ({(peak - baseline) / MiB:.0f} "
+    allowance = "half the DiT" if HALF_DIT else "server + half the DiT + 2 slots"
+    print(f"\n[layerwise-offload] {path.stat().st_size / MiB:.0f} MiB DiT, cgroup limit {limit / MiB:.0f} MiB = "
+          f"{allowance} (server {baseline / MiB:.0f} MiB): peak {peak / MiB:.0f} MiB ({(peak - baseline) / MiB:.0f} "
           f"MiB above the server), server anonymous RSS {(rss - rss_before) / MiB:+.0f} MiB, prompt {seconds:.1f} s")
     for line in log.splitlines():
         if "[layerwise-offload]" in line and ("on disk" in line or "disk " in line or "left in the file" in line):
