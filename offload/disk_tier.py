@@ -19,6 +19,7 @@ copy stream -> the host sees the copy's event complete -> the next read into k.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,8 +27,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-import os
-
+from .device_backend import copy_finished
 from .disk_file import ALIGN, CacheFile, aligned_buffer, padded
 from .pinning import PinLedger
 
@@ -44,17 +44,6 @@ class _Staging:
         self.block: Optional[int] = None  # whose bytes are (being) read in
         self.future: Optional[List[Future]] = None
         self.copy = None  # the last copy's handle reading this buffer (None: no copy in flight)
-
-
-def _copy_done(handle, wait: bool) -> bool:
-    """Whether the copy behind ``handle`` has finished reading its source (``wait``: block until it has)."""
-    event = getattr(handle, "done", None)
-    if event is None:
-        return True
-    if wait:
-        event.synchronize()
-        return True
-    return bool(event.query())
 
 
 class DiskTier:
@@ -174,21 +163,21 @@ class DiskTier:
         """A staging buffer free for a new read: no block in it, its last copy done. With ``wait``, wait for the
         oldest copy, or drop a read-ahead the manager does not need next (never one in ``protect``)."""
         for staging in self.ring:
-            if staging.block is None and _copy_done(staging.copy, wait=False):
+            if staging.block is None and copy_finished(staging.copy, wait=False):
                 staging.copy = None
                 return staging
         if not wait:
             return None
         for staging in self.ring:
             if staging.block is None:
-                _copy_done(staging.copy, wait=True)
+                copy_finished(staging.copy, wait=True)
                 staging.copy = None
                 return staging
         for staging in self.ring:
             if staging.block not in protect:
                 self._settle(staging)
                 staging.block = None
-                _copy_done(staging.copy, wait=True)
+                copy_finished(staging.copy, wait=True)
                 staging.copy = None
                 return staging
         raise RuntimeError("[layerwise-offload] every disk staging buffer holds a block about to be copied; "
@@ -305,7 +294,7 @@ class DiskTier:
         """Wait for every read and every copy from the ring (before the ring is replaced or freed)."""
         for staging in self.ring:
             self._settle(staging)
-            _copy_done(staging.copy, wait=True)
+            copy_finished(staging.copy, wait=True)
             staging.copy = None
 
     def close(self) -> None:

@@ -204,7 +204,7 @@ def skip_read_waits(tier):
 
 
 def skip_copy_waits(tier, monkeypatch):
-    monkeypatch.setattr(disk_tier, "_copy_done", lambda handle, wait: True)
+    monkeypatch.setattr(disk_tier, "copy_finished", lambda handle, wait: True)
 
 
 @pytest.mark.parametrize("source", ["cache", "checkpoint"])
