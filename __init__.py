@@ -1,4 +1,5 @@
-"""layerwise-offload: ComfyUI entry point. Registers the LayerwiseOffload and LayerwiseOffloadStats nodes.
+"""layerwise-offload: ComfyUI entry point. Registers the LayerwiseOffload, LayerwiseOffloadStats and
+LayerwiseOffloadLoadDiffusionModel nodes.
 
 V3 schema (comfy_api.latest) where ComfyUI has it; NODE_CLASS_MAPPINGS on older versions. Only one
 of the two is defined, because ComfyUI ignores comfy_entrypoint when NODE_CLASS_MAPPINGS exists.

@@ -1,9 +1,14 @@
 """The disk tier's read rate per step against a plain O_DIRECT read of the same file, in the same run.
 
     python bench/disk_tier.py [--device cpu|cuda] [--dim 2048] [--blocks 16] [--steps 4] [--folder DIR]
+                              [--source cache|checkpoint]
 
-Packs a toy DiT (blocks of ``4 * dim**2`` fp32 parameters: 64 MiB at dim 2048) with ``host_store="disk"`` (every
-block's host copy in the cache file), runs ``--steps`` forwards and reports, per step in the steady state:
+Packs a toy DiT (blocks of ``4 * dim**2`` fp32 parameters: 64 MiB at dim 2048) with ``host_store="disk"``, runs
+``--steps`` forwards and reports, per step in the steady state. ``--source cache`` (default): every block's host
+copy in the tier's cache file. ``--source checkpoint``: the blocks are saved once as a .safetensors checkpoint
+in the folder (then dropped from the page cache), the model's weights become the file's mapped tensors (what
+Load Diffusion Model (Layerwise) does), and the tier reads each block's extents straight from the checkpoint;
+the plain read is then of the checkpoint. Reported:
 - disk bytes read per step against the disk blocks' stored bytes (target: equal);
 - the tier's read rate (bytes / wall time with a read in flight) against a plain sequential O_DIRECT read loop
   over the same cache file with the same request size, measured right after in the same process (target >= 0.8);
@@ -69,7 +74,8 @@ def plain_direct_read(path: str, chunk: int, repeats: int = 2) -> float:
         for _ in range(repeats):
             start, offset = time.perf_counter(), 0
             while offset < size:
-                got = os.preadv(fd, [view[:min(chunk, size - offset)]], offset)
+                # O_DIRECT lengths are whole pages: the last one reads short at the end of the file.
+                got = os.preadv(fd, [view[:min(chunk, -(-(size - offset) // 4096) * 4096)]], offset)
                 if got <= 0:
                     break
                 offset += got
@@ -79,6 +85,22 @@ def plain_direct_read(path: str, chunk: int, repeats: int = 2) -> float:
     return best
 
 
+def checkpoint_blocks(blocks: nn.ModuleList, folder: str):
+    """Save ``blocks`` as a safetensors checkpoint in ``folder``, out of the page cache, and give back the file and
+    blocks whose weights are its mapped tensors (the RAM copies freed)."""
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"layerwise-offload-bench-{os.getpid()}.safetensors")
+    save_file({k: v.contiguous() for k, v in blocks.state_dict().items()}, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    checkpoint = offload.checkpoint_file.CheckpointFile(path)
+    blocks.load_state_dict(checkpoint.state_dict(), assign=True)
+    return checkpoint, blocks
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
@@ -86,10 +108,15 @@ def main():
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--folder", default=None, help="the cache file's folder (default: the pack's default)")
+    parser.add_argument("--source", choices=("cache", "checkpoint"), default="cache")
     args = parser.parse_args()
     torch.manual_seed(0)
     before = anon_rss()
     blocks = nn.ModuleList(Block(args.dim) for _ in range(args.blocks))
+    checkpoint = None
+    if args.source == "checkpoint":
+        checkpoint, blocks = checkpoint_blocks(blocks, args.folder or offload.host_side.default_disk_folder())
+        before = anon_rss()
     x = torch.randn(1, 4, args.dim, device=args.device)
     manager = offload.LayerwiseOffloadManager(list(blocks), args.device, resident_layers=0, host_store="disk")
     if args.folder:
@@ -109,22 +136,27 @@ def main():
     stats = manager.stats()
     disk = manager._disk
     chunk = offload.disk_tier.CHUNK_BYTES
-    plain = plain_direct_read(disk.file.path, chunk)
+    source_path = checkpoint.path if checkpoint is not None else disk.file.path
+    plain = plain_direct_read(source_path, chunk)
     tier_gbps = stats.disk_bytes_read / stats.disk_read_seconds / 1e9 if stats.disk_read_seconds else 0.0
     slots = (manager.config.prefetch_size + 1) * max(manager.block_nbytes()) if args.device == "cpu" else 0
     allowed = 1.05 * (stats.staging_bytes + slots)
     result = {
         "device": args.device, "blocks": args.blocks, "block_bytes": max(manager.block_nbytes()),
-        "disk_blocks": stats.disk_blocks, "disk_stored_bytes": stats.disk_bytes, "o_direct": disk.file.direct,
+        "source": args.source, "disk_blocks": stats.disk_blocks, "checkpoint_blocks": stats.disk_checkpoint_blocks,
+        "disk_stored_bytes": stats.disk_bytes, "o_direct": checkpoint is None and disk.file.direct,
         "disk_bytes_read_per_step": per_step, "steady_read_equals_stored": per_step[-1] == stats.disk_bytes,
         "tier_read_gbps": round(tier_gbps, 3), "plain_o_direct_read_gbps": round(plain, 3),
         "ratio": round(tier_gbps / plain, 3) if plain else None, "stall_seconds_per_step": [round(s, 4) for s in stalls],
         "rss_growth_bytes": grown, "staging_bytes": stats.staging_bytes, "loopback_slot_bytes": slots,
-        "rss_growth_within_target": grown <= allowed, "folder": disk.folder,
+        "rss_growth_within_target": grown <= allowed, "folder": disk.folder, "read_file": source_path,
     }
     manager.detach()
+    if checkpoint is not None:
+        os.unlink(checkpoint.path)
     print(json.dumps(result, indent=2))
-    out = REPO_ROOT / "bench" / "results" / f"disk_tier_{args.device.split(':')[0]}.json"
+    suffix = "_checkpoint" if args.source == "checkpoint" else ""
+    out = REPO_ROOT / "bench" / "results" / f"disk_tier_{args.device.split(':')[0]}{suffix}.json"
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"[layerwise-offload] wrote {out}")
 

@@ -174,18 +174,28 @@ def picks(plans: Dict, t: Dict) -> List[str]:
     return ["0*" if r is None else str(r) for r in t["resident"]]
 
 
+def disk_tier_ram_bytes(plans: Dict, t: Dict) -> int:
+    """System RAM with every streamed block on disk (host_store disk, the weights left in the file by Load
+    Diffusion Model (Layerwise)): each expert's non-block weights and staging ring (prefetch + 2 of its largest
+    blocks, page-padded), the text encoder, VAE and ComfyUI. Residents are read from the file when the plan is
+    armed, so they need no RAM of their own."""
+    ring = (t["prefetch"] + 2) * (-(-max(t["block_bytes"]) // 4096) * 4096)
+    other = t["ram_bytes"] - t["dit_bytes"]  # text encoder + VAE + the process
+    return t["experts"] * (t["non_block_bytes"] + ring) + other
+
+
 def markdown_table(plans: Dict) -> List[str]:
     """The README's table (pure: reads a plans dict, imports nothing)."""
     cards = plans["cards_gib"]
-    lines = ["| template | blocks (avg size) | DiT in RAM | RAM needed | activations | "
+    lines = ["| template | blocks (avg size) | DiT in RAM | RAM needed | RAM needed with the disk tier | activations | "
              + " | ".join(f"-1 on {c} GB" for c in cards) + " |",
-             "| --- | --- | --- | --- | --- | " + " | ".join("---" for _ in cards) + " |"]
+             "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in cards) + " |"]
     for t in plans["templates"]:
         n = len(t["block_bytes"])
         avg = sum(t["block_bytes"]) / n
         lines.append(f"| {t['name']} | {n} ({avg / GB:.2f} GB) | {t['dit_bytes'] / GB:.1f} GB | "
-                     f"{t['ram_bytes'] / GB:.0f} GB | {t['activation_bytes'] / GB:.1f} GB | "
-                     + " | ".join(picks(plans, t)) + " |")
+                     f"{t['ram_bytes'] / GB:.0f} GB | {disk_tier_ram_bytes(plans, t) / GB:.0f} GB | "
+                     f"{t['activation_bytes'] / GB:.1f} GB | " + " | ".join(picks(plans, t)) + " |")
     return lines
 
 

@@ -21,6 +21,7 @@ def run_report(controller, before, after, forwards: int, run_seconds: float) -> 
         block_tiers=block_tiers(manager), slot_count=slot_count(manager),
         demand_copies=after.demand_copies - before.demand_copies, device_type=controller.device.type,
         other_device_bytes=controller.loaded_bytes() - after.device_bytes, host_ram_bytes=controller.host_ram_bytes(),
-        disk_blocks=after.disk_blocks, disk_bytes_read=after.disk_bytes_read - before.disk_bytes_read,
+        disk_blocks=after.disk_blocks, disk_checkpoint_blocks=after.disk_checkpoint_blocks,
+        disk_bytes_read=after.disk_bytes_read - before.disk_bytes_read,
         disk_seconds=after.disk_read_seconds - before.disk_read_seconds,
         disk_stall_seconds=after.disk_stall_seconds - before.disk_stall_seconds)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
                            MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
                            STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, offload_model, stats_ui)
+from .loader import (LOADER_CATEGORY, LOADER_DESCRIPTION, LOADER_DISPLAY_NAME, LOADER_NODE_ID, LOADER_TOOLTIPS,
+                     WEIGHT_DTYPES, diffusion_model_names, load_layerwise)
 
 
 class LayerwiseOffloadV1:
@@ -53,5 +55,24 @@ class LayerwiseOffloadStatsV1:
         return {"ui": ui, "result": (text,)}
 
 
-NODE_CLASS_MAPPINGS = {NODE_ID: LayerwiseOffloadV1, STATS_NODE_ID: LayerwiseOffloadStatsV1}
-NODE_DISPLAY_NAME_MAPPINGS = {NODE_ID: DISPLAY_NAME, STATS_NODE_ID: STATS_DISPLAY_NAME}
+class LayerwiseOffloadLoadDiffusionModelV1:
+    DESCRIPTION = LOADER_DESCRIPTION
+    CATEGORY = LOADER_CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "load"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {
+            "unet_name": (diffusion_model_names(), {"tooltip": LOADER_TOOLTIPS["unet_name"]}),
+            "weight_dtype": (list(WEIGHT_DTYPES), {"default": "default", "tooltip": LOADER_TOOLTIPS["weight_dtype"]}),
+        }}
+
+    def load(self, unet_name, weight_dtype="default"):
+        return (load_layerwise(unet_name, weight_dtype),)
+
+
+NODE_CLASS_MAPPINGS = {NODE_ID: LayerwiseOffloadV1, STATS_NODE_ID: LayerwiseOffloadStatsV1,
+                       LOADER_NODE_ID: LayerwiseOffloadLoadDiffusionModelV1}
+NODE_DISPLAY_NAME_MAPPINGS = {NODE_ID: DISPLAY_NAME, STATS_NODE_ID: STATS_DISPLAY_NAME,
+                              LOADER_NODE_ID: LOADER_DISPLAY_NAME}

@@ -8,6 +8,8 @@ from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PR
                            MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
                            STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, offload_model,
                            residency_policy_problem, stats_ui)
+from .loader import (LOADER_CATEGORY, LOADER_DESCRIPTION, LOADER_DISPLAY_NAME, LOADER_NODE_ID, LOADER_TOOLTIPS,
+                     WEIGHT_DTYPES, diffusion_model_names, load_layerwise)
 
 
 class LayerwiseOffload(io.ComfyNode):
@@ -70,9 +72,36 @@ class LayerwiseOffloadStats(io.ComfyNode):
         return io.NodeOutput(text, ui=shown)
 
 
+class LayerwiseOffloadLoadDiffusionModel(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=LOADER_NODE_ID,
+            display_name=LOADER_DISPLAY_NAME,
+            category=LOADER_CATEGORY,
+            description=LOADER_DESCRIPTION,
+            inputs=[
+                io.Combo.Input("unet_name", options=diffusion_model_names(), tooltip=LOADER_TOOLTIPS["unet_name"]),
+                io.Combo.Input("weight_dtype", options=list(WEIGHT_DTYPES), default="default",
+                               tooltip=LOADER_TOOLTIPS["weight_dtype"]),
+            ],
+            outputs=[io.Model.Output(tooltip="The diffusion model, its unconverted weights left in the file.")],
+        )
+
+    @classmethod
+    def validate_inputs(cls, weight_dtype=None) -> bool | str:
+        if weight_dtype is not None and weight_dtype not in WEIGHT_DTYPES:
+            return f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, got {weight_dtype!r}"
+        return True
+
+    @classmethod
+    def execute(cls, unet_name, weight_dtype="default") -> io.NodeOutput:
+        return io.NodeOutput(load_layerwise(unet_name, weight_dtype))
+
+
 class LayerwiseOffloadExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [LayerwiseOffload, LayerwiseOffloadStats]
+        return [LayerwiseOffload, LayerwiseOffloadStats, LayerwiseOffloadLoadDiffusionModel]
 
 
 async def comfy_entrypoint() -> LayerwiseOffloadExtension:

@@ -79,6 +79,7 @@ class RunReport:
     disk_bytes_read: int = 0  # read from that file during the run
     disk_seconds: float = 0.0  # wall time with a read in flight
     disk_stall_seconds: float = 0.0  # time copies waited for reads
+    disk_checkpoint_blocks: int = 0  # of the disk blocks, those read straight from the safetensors checkpoint
 
     @property
     def disk_gbps(self) -> float:
@@ -89,7 +90,9 @@ class RunReport:
         if not self.disk_blocks:
             return ""
         per_step = int(self.disk_bytes_read / self.step_count) if self.step_count else 0
-        return (f"{self.disk_blocks} blocks on disk: {format_bytes(per_step)} read per {self.step_word} at "
+        source = (f" ({self.disk_checkpoint_blocks} from the checkpoint file)"
+                  if self.disk_checkpoint_blocks else "")
+        return (f"{self.disk_blocks} blocks on disk{source}: {format_bytes(per_step)} read per {self.step_word} at "
                 f"{self.disk_gbps:.2f} GB/s, waited {seconds(self.per_step(self.disk_stall_seconds))} per "
                 f"{self.step_word} for reads")
 

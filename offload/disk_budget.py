@@ -19,6 +19,8 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .checkpoint_file import is_mapped
+
 from .config import HOST_STORES
 
 __all__ = ["HOST_STORES", "PACKING_SLACK_BYTES", "RAM_MARGIN_BYTES", "TierPlan", "freed_by_packing",
@@ -55,7 +57,7 @@ def freed_by_packing(params: Sequence[torch.Tensor]) -> int:
         _holders(param, holders)
     storages = {}
     for tensor in holders:
-        if tensor.device.type != "cpu":
+        if tensor.device.type != "cpu" or is_mapped(tensor):  # a mapped checkpoint's pages are not anonymous RAM
             continue
         storage = tensor.untyped_storage()
         entry = storages.setdefault(storage.data_ptr(), [storage, 0])

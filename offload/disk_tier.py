@@ -4,7 +4,12 @@ The manager asks one question before each host-to-device copy, :meth:`DiskTier.s
 copy block ``i`` from. A RAM block answers with its host-store buffer. A disk block answers with a staging
 buffer its bytes were read into: reads are issued ahead of use (:meth:`read_ahead`, the blocks the model runs
 next) by a few reader threads into a small ring of page-aligned staging buffers (page-locked on a GPU), and
-``source`` waits for the read (the time waited is the disk's stall). After the copy is queued the manager hands
+``source`` waits for the read (the time waited is the disk's stall). A disk block's bytes come from one of two sources: a region of the tier's cache file (written once at packing,
+read back with O_DIRECT), or, where every weight of the block is byte for byte a tensor of the safetensors
+checkpoint (:mod:`.checkpoint_file`), the checkpoint itself: a list of extents (file offset, bytes, offset in the
+block's store layout) read into place with buffered reads whose pages are then dropped from the page cache
+(checkpoint offsets are not page-aligned, so O_DIRECT cannot read them into place). Nothing is written for those.
+After the copy is queued the manager hands
 back its completion handle (:meth:`copied`): that staging buffer is refilled only once the copy has finished, so a
 read never overwrites bytes a copy still reads.
 
@@ -14,6 +19,7 @@ copy stream -> the host sees the copy's event complete -> the next read into k.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,7 +27,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .disk_file import CacheFile, aligned_buffer, padded
+from .device_backend import copy_finished
+from .disk_file import ALIGN, CacheFile, aligned_buffer, padded
 from .pinning import PinLedger
 
 __all__ = ["DiskTier"]
@@ -39,17 +46,6 @@ class _Staging:
         self.copy = None  # the last copy's handle reading this buffer (None: no copy in flight)
 
 
-def _copy_done(handle, wait: bool) -> bool:
-    """Whether the copy behind ``handle`` has finished reading its source (``wait``: block until it has)."""
-    event = getattr(handle, "done", None)
-    if event is None:
-        return True
-    if wait:
-        event.synchronize()
-        return True
-    return bool(event.query())
-
-
 class DiskTier:
     """The disk blocks' cache file, staging ring and readers. ``ring_size`` staging buffers of the largest disk
     block; ``readers`` threads; ``pinner`` page-locks the ring (None: pageable)."""
@@ -57,8 +53,12 @@ class DiskTier:
     def __init__(self, folder: str, ring_size: int = 2, readers: int = 4, pinner=None,
                  expected_bytes: int = 0):
         self.folder = folder
-        self.file = CacheFile(folder, expected_bytes)
-        self.regions: Dict[int, tuple] = {}  # block -> (offset, nbytes)
+        self.expected_bytes = expected_bytes
+        self._file: Optional[CacheFile] = None  # made at the first block written (none: all from the checkpoint)
+        self.regions: Dict[int, tuple] = {}  # block -> (cache-file offset, or None for the checkpoint; nbytes)
+        self.extents: Dict[int, List[tuple]] = {}  # checkpoint blocks -> [(path, file offset, nbytes, offset)]
+        self._fds: Dict[str, int] = {}  # checkpoint path -> O_RDONLY descriptor
+        self.kept: Dict[int, tuple] = {}  # checkpoint blocks -> (layout, [(entry index, RAM tensor)])
         self.ring_size = max(2, int(ring_size))
         self.ring: List[_Staging] = []
         self.ring_bytes_each = 0
@@ -85,6 +85,33 @@ class DiskTier:
     def nbytes(self) -> int:
         return sum(nbytes for _, nbytes in self.regions.values())
 
+    @property
+    def file(self) -> CacheFile:
+        if self._file is None:
+            self._file = CacheFile(self.folder, self.expected_bytes)
+        return self._file
+
+    def from_checkpoint(self, index: int) -> bool:
+        return index in self.extents
+
+    def checkpoint_bytes(self) -> int:
+        return sum(self.regions[i][1] for i in self.extents)
+
+    def place(self, index: int, nbytes: int, extents: Sequence[tuple], kept: Sequence[tuple] = (),
+              layout=None) -> None:
+        """Block ``index`` is read from the checkpoint: ``extents`` = [(path, file offset, nbytes, offset in the
+        block's layout)]; nothing is written. ``kept`` = [(entry index in ``layout``, tensor)]: the few entries
+        that are not the file's bytes, copied from RAM into the staging buffer with each read."""
+        self.forget(index)
+        self._ensure_ring(nbytes)
+        self.regions[index] = (None, nbytes)
+        self.extents[index] = list(extents)
+        if kept:
+            self.kept[index] = (layout, list(kept))
+        for path, *_ in extents:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+
     def write(self, index: int, nbytes: int, fill) -> torch.Tensor:
         """Store block ``index``: ``fill(buffer)`` packs its bytes into a staging buffer, which is appended to the
         file; returns the region as a file-backed tensor (what released parameters may view)."""
@@ -98,7 +125,8 @@ class DiskTier:
         return self.file.view(offset, nbytes)
 
     def finish(self) -> None:
-        self.file.finish()
+        if self._file is not None:
+            self._file.finish()
 
     def forget(self, index: int) -> None:
         """Block ``index`` is not on disk any more (repacked, or moved to RAM): drop its region and staged bytes."""
@@ -107,6 +135,8 @@ class DiskTier:
                 self._settle(staging)
                 staging.block = None
         self.regions.pop(index, None)
+        self.extents.pop(index, None)
+        self.kept.pop(index, None)
 
     # ----------------------------------------------------------------- the ring
     def _ensure_ring(self, nbytes: int) -> None:
@@ -133,21 +163,21 @@ class DiskTier:
         """A staging buffer free for a new read: no block in it, its last copy done. With ``wait``, wait for the
         oldest copy, or drop a read-ahead the manager does not need next (never one in ``protect``)."""
         for staging in self.ring:
-            if staging.block is None and _copy_done(staging.copy, wait=False):
+            if staging.block is None and copy_finished(staging.copy, wait=False):
                 staging.copy = None
                 return staging
         if not wait:
             return None
         for staging in self.ring:
             if staging.block is None:
-                _copy_done(staging.copy, wait=True)
+                copy_finished(staging.copy, wait=True)
                 staging.copy = None
                 return staging
         for staging in self.ring:
             if staging.block not in protect:
                 self._settle(staging)
                 staging.block = None
-                _copy_done(staging.copy, wait=True)
+                copy_finished(staging.copy, wait=True)
                 staging.copy = None
                 return staging
         raise RuntimeError("[layerwise-offload] every disk staging buffer holds a block about to be copied; "
@@ -164,37 +194,74 @@ class DiskTier:
         offset, nbytes = self.regions[index]
         length = padded(nbytes)
         view = memoryview(staging.buffer.numpy()).cast("B")[:length]
+        if offset is None:
+            jobs = [(self._read_checkpoint, view[at + start:at + start + min(CHUNK_BYTES, size - start)],
+                     self._fds[path], where + start)
+                    for path, where, size, at in self.extents[index] for start in range(0, size, CHUNK_BYTES)]
+            if index in self.kept:
+                jobs.append((self._fill_kept, staging.buffer.narrow(0, 0, nbytes), self.kept[index], None))
+        else:
+            jobs = [(self.file.read_into, view[start:start + min(CHUNK_BYTES, length - start)], None, offset + start)
+                    for start in range(0, length, CHUNK_BYTES)]
         staging.block = index
         with self._lock:
             if self._in_flight == 0:
                 self._busy_since = time.perf_counter()
             self._in_flight += 1
-        parts = []
-        remaining = [0]
-        chunks = [(start, min(CHUNK_BYTES, length - start)) for start in range(0, length, CHUNK_BYTES)]
-        remaining[0] = len(chunks)
-        for start, size in chunks:
-            parts.append(self._pool.submit(self._read, view[start:start + size], offset + start, remaining))
-        staging.future = parts
+        remaining = [len(jobs)]
+        staging.future = [self._pool.submit(self._read, job, remaining) for job in jobs]
+        if not jobs:
+            self._read_done(remaining)
         self.reads += 1
         self.bytes_read += nbytes
 
-    def _read(self, view: memoryview, offset: int, remaining: list) -> None:
+    def _read(self, job: tuple, remaining: list) -> None:
+        read, view, fd, offset = job
         try:
-            self.file.read_into(view, offset)
+            if offset is None:
+                read(view, fd)
+            elif fd is None:
+                read(view, offset)
+            else:
+                read(view, fd, offset)
         finally:
-            with self._lock:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    self._in_flight -= 1
-                    if self._in_flight == 0:
-                        self.read_seconds += time.perf_counter() - self._busy_since
+            self._read_done(remaining)
+
+    def _read_done(self, remaining: list) -> None:
+        with self._lock:
+            remaining[0] -= 1
+            if remaining[0] <= 0:
+                self._in_flight -= 1
+                if self._in_flight == 0:
+                    self.read_seconds += time.perf_counter() - self._busy_since
+
+    @staticmethod
+    def _fill_kept(buffer: torch.Tensor, kept: tuple) -> None:
+        layout, entries = kept
+        views = layout.views(buffer)
+        with torch.no_grad():
+            for position, tensor in entries:
+                views[position].copy_(tensor)
+
+    @staticmethod
+    def _read_checkpoint(view: memoryview, fd: int, offset: int) -> None:
+        """Read one extent of the checkpoint into place, then drop its pages from the page cache (whole pages
+        around it: a neighbour's page is read again at worst, never kept)."""
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"[layerwise-offload] the checkpoint ended at byte {offset + done} while reading a "
+                              f"block from it (was it replaced while ComfyUI runs?)")
+            done += got
+        first = offset // ALIGN * ALIGN
+        os.posix_fadvise(fd, first, padded(offset + len(view)) - first, os.POSIX_FADV_DONTNEED)
 
     def read_ahead(self, indices: Sequence[int]) -> None:
         """Start reads for the disk blocks in ``indices`` (in the order they will be copied) while buffers are free."""
         if not self.regions:
             return
-        self.file.finish()
+        self.finish()
         for index in indices:
             if index not in self.regions or any(s.block == index for s in self.ring):
                 continue
@@ -205,7 +272,7 @@ class DiskTier:
 
     def source(self, index: int, protect: Sequence[int] = ()) -> torch.Tensor:
         """Block ``index``'s bytes in a staging buffer, read in full: the host tensor to copy it from."""
-        self.file.finish()
+        self.finish()
         staging = next((s for s in self.ring if s.block == index), None)
         if staging is None:
             self.demand_reads += 1
@@ -227,7 +294,7 @@ class DiskTier:
         """Wait for every read and every copy from the ring (before the ring is replaced or freed)."""
         for staging in self.ring:
             self._settle(staging)
-            _copy_done(staging.copy, wait=True)
+            copy_finished(staging.copy, wait=True)
             staging.copy = None
 
     def close(self) -> None:
@@ -237,4 +304,10 @@ class DiskTier:
         self.ledger.unpin_all()
         self.ring = []
         self.regions = {}
-        self.file.close()
+        self.extents = {}
+        self.kept = {}
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+        if self._file is not None:
+            self._file.close()

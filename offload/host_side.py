@@ -9,6 +9,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
+from .checkpoint_file import drop_cached_pages, locate
 from .disk_budget import PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers
 from .disk_file import padded
 from .disk_tier import DiskTier
@@ -71,6 +72,10 @@ class HostSideMixin:
                 log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s) in %s", self._tier_plan.disk_blocks,
                          self.num_blocks, self._tier_plan.reason, self.disk_folder or default_disk_folder())
         self._pack_blocks(changed, progress)
+        disk = self._disk
+        if changed and disk is not None and disk.extents:
+            log.info("[layerwise-offload] host store: %d disk blocks read straight from the checkpoint (nothing "
+                     "written for them), %d from the cache file", len(disk.extents), len(disk.regions) - len(disk.extents))
         if old_disk is not None:
             old_disk.close()
         return changed
@@ -202,7 +207,10 @@ class HostSideMixin:
         """Give every parameter its own copy on ``target``, then unlock and free the store."""
         for index, layout in enumerate(self.store.layouts):
             with torch.inference_mode(params_are_inference(self._named_params[index])):
-                copies = [view.to(target, copy=True) for view in self.store.views(index)]
+                if index in self.store.mapped and target.type == "cpu":
+                    copies = self.store.views(index)  # the checkpoint's own tensors: no copy of a model bigger than RAM
+                else:
+                    copies = [view.to(target, copy=True) for view in self.store.views(index)]
                 for weight, view in zip(layout.weights, layout.weights_from(copies)):
                     point_param_at(weight.param, view)
         self.store.clear()
@@ -265,14 +273,26 @@ class HostSideMixin:
             named = block_parameters(self.blocks[index])
             self._named_params[index] = named
             layout = self.store.layouts[index] = plan_layout(named)
-            if on_disk:
+            sources = _packed_sources(layout)
+            found = checkpoint_extents(layout, sources) if on_disk else None
+            extents = None if found is None else found[0]
+            if extents is not None:  # the checkpoint is the block's host copy: nothing to write
                 self.store.set_pinned(index, False)
-                self.store.buffers[index] = self._disk_tier(sum(self.block_nbytes())).write(
-                    index, layout.nbytes, lambda buffer: _fill(buffer, layout))
+                self._disk_tier(0).place(index, layout.nbytes, extents, found[1], layout)
+                self.store.keep_mapped(index, sources)
+            elif on_disk:
+                self.store.set_pinned(index, False)
+                tier = self._disk_tier(sum(self.block_nbytes()))
+                tier.expected_bytes = max(tier.expected_bytes, sum(self.block_nbytes()))
+                self.store.buffers[index] = tier.write(index, layout.nbytes, lambda buffer: _fill(buffer, layout))
             else:
                 if self._disk is not None:
                     self._disk.forget(index)
                 self.store.pack_block(index, pin=False)  # page-locked by _sync_pinning, streamed blocks only
+            if extents is None:
+                # Packed from a mapped checkpoint: the pages read on the way are the file's, not needed again.
+                drop_cached_pages(sources)
+            del sources
             self._drop_views(index)
             self._materialized[index] = False
             self._point_released(index)
@@ -284,6 +304,29 @@ class HostSideMixin:
             return False
         return all(param is known and weight_pointer(param) == pointer
                    for (_, param), (_, known), pointer in zip(named, self._named_params[index], expected))
+
+
+# A block is read from the checkpoint when at most this share of its bytes is not the file's (a converted scale
+# of a quantized layer, say): those few bytes stay in RAM and are copied into the staging buffer with the reads.
+CONVERTED_SHARE_LIMIT = 1 / 16
+
+
+def checkpoint_extents(layout, sources):
+    """``(extents, kept)`` for a block read from a mapped checkpoint: extents [(path, file offset, nbytes, offset in
+    the layout)] of the entries that are byte for byte a contiguous tensor of the file, kept [(entry index,
+    tensor)] for the rest (held in RAM); None when no entry is the file's, or the rest is more than
+    :data:`CONVERTED_SHARE_LIMIT` of the block (``sources``: the entries' tensors now)."""
+    extents, kept, kept_bytes = [], [], 0
+    for position, (entry, source) in enumerate(zip(layout.entries, sources)):
+        where = locate(source)
+        if where is None or where[2] != entry.span_elements * entry.dtype.itemsize or source.dtype != entry.dtype:
+            kept.append((position, source))
+            kept_bytes += entry.span_elements * entry.dtype.itemsize
+        else:
+            extents.append((where[0], where[1], where[2], entry.offset))
+    if not extents or kept_bytes > layout.nbytes * CONVERTED_SHARE_LIMIT:
+        return None
+    return extents, kept
 
 
 def _fill(buffer: torch.Tensor, layout) -> None:

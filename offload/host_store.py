@@ -192,6 +192,9 @@ class HostStore:
     def __init__(self, layouts: Sequence[BlockLayout], pinner: Optional[Pinner] = None):
         self.layouts = list(layouts)
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(layouts)
+        # Blocks whose bytes stay in the mapped checkpoint (the disk tier reads them from there): the file's own
+        # tensors are their host views, one per entry; their buffer is an empty stand-in.
+        self.mapped: Dict[int, List[torch.Tensor]] = {}
         self.ledger = PinLedger(pinner)
         self.ledger.watch(self)  # a store dropped without clear() still unlocks its buffers
         self._warned_pin = False  # one warning per store; every block is still asked for on its own
@@ -215,7 +218,15 @@ class HostStore:
         self.buffers[index] = buffer
         self.set_pinned(index, pin)
 
+    def keep_mapped(self, index: int, tensors: Sequence[torch.Tensor]) -> None:
+        """Block ``index``'s host copy is the checkpoint's mapped ``tensors`` (one per entry, in entry order)."""
+        self._drop_buffer(index)
+        self.mapped[index] = list(tensors)
+        self.buffers[index] = torch.empty(0, dtype=torch.uint8)
+
     def views(self, index: int) -> List[torch.Tensor]:
+        if index in self.mapped:
+            return list(self.mapped[index])
         buffer = self.buffers[index]
         if buffer is None:
             raise RuntimeError(f"block {index} has no host copy yet")
@@ -265,6 +276,7 @@ class HostStore:
 
     def _drop_buffer(self, index: int) -> None:
         buffer = self.buffers[index]
+        self.mapped.pop(index, None)
         if buffer is not None:
             self.ledger.unpin(buffer)
             self.buffers[index] = None
@@ -273,3 +285,4 @@ class HostStore:
         """Unlock and drop every buffer (the memory returns once no parameter views it any more)."""
         self.ledger.unpin_all()
         self.buffers = [None] * len(self.layouts)
+        self.mapped = {}

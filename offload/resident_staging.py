@@ -16,6 +16,7 @@ from typing import List, Optional
 
 import torch
 
+from .device_backend import copy_finished
 from .host_store import allocate_host_buffer
 from .pinning import PinLedger
 
@@ -23,16 +24,6 @@ __all__ = ["PinnedBounce"]
 
 CHUNK_BYTES = 32 * 2**20  # per copy: long enough that the copy's set-up is noise, short enough to pipeline
 RING_COUNT = 2
-
-
-def _copy_finished(handle, wait: bool) -> bool:
-    event = getattr(handle, "done", None)
-    if event is None:
-        return True
-    if wait:
-        event.synchronize()
-        return True
-    return bool(event.query())
 
 
 class PinnedBounce:
@@ -65,7 +56,7 @@ class PinnedBounce:
             size = min(self.chunk_bytes, total - start)
             k = self._next
             self._next = (k + 1) % len(self.buffers)
-            _copy_finished(self.copies[k], wait=True)  # the copy that read this buffer last has finished
+            copy_finished(self.copies[k], wait=True)  # the copy that read this buffer last has finished
             staging = self.buffers[k].narrow(0, 0, size)
             staging.copy_(src.narrow(0, start, size))
             last = start + self.chunk_bytes >= total
@@ -76,12 +67,12 @@ class PinnedBounce:
 
     def idle(self) -> bool:
         """Whether every copy from the ring has finished (asks the events, never waits)."""
-        return all(_copy_finished(handle, wait=False) for handle in self.copies)
+        return all(copy_finished(handle, wait=False) for handle in self.copies)
 
     def close(self) -> None:
         """Wait for the ring's copies, unlock and drop its buffers."""
         for handle in self.copies:
-            _copy_finished(handle, wait=True)
+            copy_finished(handle, wait=True)
         self.copies = []
         self.ledger.unpin_all()
         self.buffers = []

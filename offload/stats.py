@@ -35,6 +35,7 @@ class OffloadStats:
     disk_read_seconds: float = 0.0  # wall time with at least one read in flight
     disk_stall_seconds: float = 0.0  # time the host waited for a read a copy needed
     staging_bytes: int = 0  # the disk tier's staging ring (host RAM)
+    disk_checkpoint_blocks: int = 0  # disk blocks read straight from the safetensors checkpoint (no cache file)
 
     @property
     def achieved_gbps(self) -> float:
@@ -50,6 +51,7 @@ def snapshot(manager, schedule) -> OffloadStats:
     """The counters of ``manager`` under ``schedule`` (its current plan) as one frozen record."""
     m = manager
     disk = getattr(m, "_disk", None)
+    checkpoint_bytes = disk.checkpoint_bytes() if disk is not None else 0
     disk_bytes = disk.nbytes() if disk is not None else 0
     return OffloadStats(
         num_blocks=m.num_blocks,
@@ -67,7 +69,7 @@ def snapshot(manager, schedule) -> OffloadStats:
         device_bytes=m.device_bytes(),
         peak_device_bytes=m._peak_device_bytes,
         planned_device_bytes=m.planned_device_bytes(schedule),
-        host_bytes=m.store.nbytes() - disk_bytes if m.store is not None else 0,
+        host_bytes=m.store.nbytes() - (disk_bytes - checkpoint_bytes) if m.store is not None else 0,
         pinned_host_bytes=m.store.pinned_nbytes() if m.store is not None else 0,
         host_bytes_requested=m.store.ledger.bytes_requested if m.store is not None else 0,
         host_bytes_pinned=m.store.ledger.bytes_pinned if m.store is not None else 0,
@@ -80,6 +82,7 @@ def snapshot(manager, schedule) -> OffloadStats:
         disk_read_seconds=disk.read_seconds if disk is not None else 0.0,
         disk_stall_seconds=disk.stall_seconds if disk is not None else 0.0,
         staging_bytes=disk.ring_bytes if disk is not None else 0,
+        disk_checkpoint_blocks=len(disk.extents) if disk is not None else 0,
     )
 
 

@@ -167,7 +167,7 @@ def _readme_rows():
     rows = {}
     for line in (REPO / "README.md").read_text(encoding="utf-8").splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if line.startswith("| ") and len(cells) == 9 and cells[0] != "template" and cells[0] != "---":
+        if line.startswith("| ") and len(cells) == 10 and cells[0] != "template" and cells[0] != "---":
             rows[cells[0]] = cells
     return rows
 
@@ -186,8 +186,9 @@ def test_every_note_and_readme_row_give_the_same_counts():
     assert len(plans["templates"]) == len(FILES) - 1 == len(rows), (sorted(rows), [p.stem for p in FILES])
     for t in plans["templates"]:
         counts = ["0*" if r is None else str(r) for r in t["resident"]]
-        assert rows[t["name"]][5:] == counts, (t["name"], rows[t["name"]])
+        assert rows[t["name"]][6:] == counts, (t["name"], rows[t["name"]])
         assert f"{t['ram_bytes'] / 1e9:.0f} GB" == rows[t["name"]][3]
+        assert f"{template_memory.disk_tier_ram_bytes(plans, t) / 1e9:.0f} GB" == rows[t["name"]][4]
         note = notes[Path(files[t["key"]]).stem]
         for card, count in zip(plans["cards_gib"], counts):
             assert f"{card} GB: {count}" in note, (t["key"], card, count)

@@ -4,7 +4,8 @@ The real StreamBackend and DiskTier run over a stand-in for ``torch.cuda`` whose
 clocks, as in test_stream_ordering.py, plus the host thread and the disk: an op a stream runs was queued by the
 host, so it happens after what the host knew then; the host learns that a copy finished only from its event
 (``query``/``synchronize``), and that a read finished only by waiting for it. Reads and copies run for real, so
-the output is checked bitwise too. The two rules: a staging buffer is copied to the device only after its disk
+the output is checked bitwise too. Both sources of a disk block are checked: the cache file and the checkpoint's
+extents. The two rules: a staging buffer is copied to the device only after its disk
 read finished, and a new read into a staging buffer starts only after every copy from it finished.
 """
 
@@ -12,9 +13,11 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import LayerwiseOffloadManager, disk_tier
+from layerwise_offload.offload.checkpoint_file import CheckpointFile
 from layerwise_offload.offload.device_backend import StreamBackend
 
 ACTORS = ("compute", "copy", "host", "disk")
@@ -141,11 +144,20 @@ def instrument(tier, module, reads):
     tier._start, tier._settle = _start, _settle
 
 
-def run_checked(resident, prefetch, policy, tmp_path, break_with=None):
-    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        want = ToyTransformer()(x)
+def toy_over_checkpoint(tmp_path):
+    """A toy whose weights are a safetensors checkpoint's mapped tensors: its disk blocks read the file's extents."""
+    path = tmp_path / "toy.safetensors"
+    save_file({k: v.contiguous() for k, v in ToyTransformer().state_dict().items()}, str(path))
     model = ToyTransformer()
+    model.load_state_dict(CheckpointFile(str(path)).state_dict(), assign=True)
+    return model
+
+
+def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="cache"):
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    model = toy_over_checkpoint(tmp_path) if source == "checkpoint" else ToyTransformer()
+    with torch.no_grad():
+        want = model(x)
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy, pin_memory=True, host_store="disk")
     manager.disk_folder = str(tmp_path)
@@ -156,6 +168,7 @@ def run_checked(resident, prefetch, policy, tmp_path, break_with=None):
     manager.attach(model)
     reads = []
     manager.prepare()
+    assert bool(manager._disk.extents) == (source == "checkpoint")
     instrument(manager._disk, module, reads)
     if break_with is not None:
         break_with(manager._disk)
@@ -180,9 +193,10 @@ def run_checked(resident, prefetch, policy, tmp_path, break_with=None):
     manager.detach()
 
 
+@pytest.mark.parametrize("source", ["cache", "checkpoint"])
 @pytest.mark.parametrize("resident, prefetch, policy", [(0, 1, "leading"), (2, 2, "strided"), (1, 3, "leading")])
-def test_no_copy_before_its_read_and_no_read_over_a_copy_in_flight(tmp_path, resident, prefetch, policy):
-    run_checked(resident, prefetch, policy, tmp_path)
+def test_no_copy_before_its_read_and_no_read_over_a_copy_in_flight(tmp_path, resident, prefetch, policy, source):
+    run_checked(resident, prefetch, policy, tmp_path, source=source)
 
 
 def skip_read_waits(tier):
@@ -190,14 +204,17 @@ def skip_read_waits(tier):
 
 
 def skip_copy_waits(tier, monkeypatch):
-    monkeypatch.setattr(disk_tier, "_copy_done", lambda handle, wait: True)
+    monkeypatch.setattr(disk_tier, "copy_finished", lambda handle, wait: True)
 
 
-def test_the_checker_catches_a_copy_before_its_read(tmp_path):
+@pytest.mark.parametrize("source", ["cache", "checkpoint"])
+def test_the_checker_catches_a_copy_before_its_read(tmp_path, source):
     with pytest.raises(AssertionError, match="copied before its disk read"):
-        run_checked(0, 1, "leading", tmp_path, break_with=skip_read_waits)
+        run_checked(0, 1, "leading", tmp_path, break_with=skip_read_waits, source=source)
 
 
-def test_the_checker_catches_a_read_over_a_copy_in_flight(tmp_path, monkeypatch):
+@pytest.mark.parametrize("source", ["cache", "checkpoint"])
+def test_the_checker_catches_a_read_over_a_copy_in_flight(tmp_path, monkeypatch, source):
     with pytest.raises(AssertionError, match="overwrite a staging buffer"):
-        run_checked(0, 1, "leading", tmp_path, break_with=lambda tier: skip_copy_waits(tier, monkeypatch))
+        run_checked(0, 1, "leading", tmp_path, break_with=lambda tier: skip_copy_waits(tier, monkeypatch),
+                    source=source)

@@ -90,7 +90,7 @@ def run(resident, prefetch, monkeypatch, pinner=None, chunk=4096, break_waits=Fa
             fills.append((begin, begin + tensor.numel(), dict(module.host.tick())))
         return fill(tensor, source, *args, **kwargs)
     if break_waits:
-        monkeypatch.setattr(resident_staging, "_copy_finished", lambda handle, wait: True)
+        monkeypatch.setattr(resident_staging, "copy_finished", lambda handle, wait: True)
     manager.attach(model)
     with torch.no_grad():
         monkeypatch.setattr(torch.Tensor, "copy_", watched_fill)
