@@ -47,7 +47,7 @@ if not Path(CHROMIUM).is_file():
 
 
 def _shot(page, name: str) -> None:
-    ARTIFACTS.mkdir(exist_ok=True)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / f"browser_{name}.png"))
 
 
