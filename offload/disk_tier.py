@@ -4,12 +4,12 @@ The manager asks one question before each host-to-device copy, :meth:`DiskTier.s
 copy block ``i`` from. A RAM block answers with its host-store buffer. A disk block answers with a staging
 buffer its bytes were read into: reads are issued ahead of use (:meth:`read_ahead`, the blocks the model runs
 next) by a few reader threads into a small ring of page-aligned staging buffers (page-locked on a GPU), and
-``source`` waits for the read (the time waited is the disk's stall). A disk block's bytes come from one of two sources: a region of the tier's cache file (written once at packing,
-read back with O_DIRECT), or, where every weight of the block is byte for byte a tensor of the safetensors
-checkpoint (:mod:`.checkpoint_file`), the checkpoint itself: a list of extents (file offset, bytes, offset in the
-block's store layout) read into place with buffered reads whose pages are then dropped from the page cache
-(checkpoint offsets are not page-aligned, so O_DIRECT cannot read them into place). Nothing is written for those.
-After the copy is queued the manager hands
+``source`` waits for the read (the time waited is the disk's stall). A disk block's bytes come from one of two
+sources: a region of the tier's cache file (written once at packing, read back with O_DIRECT), or, where every
+weight of the block is byte for byte a tensor of the safetensors checkpoint (:mod:`.checkpoint_file`), the
+checkpoint itself: a list of extents (file offset, bytes, offset in the block's store layout) read into place with
+buffered reads whose pages are then dropped from the page cache (checkpoint offsets are not page-aligned, so
+O_DIRECT cannot read them into place). Nothing is written for those. After the copy is queued the manager hands
 back its completion handle (:meth:`copied`): that staging buffer is refilled only once the copy has finished, so a
 read never overwrites bytes a copy still reads.
 
