@@ -120,7 +120,7 @@ def main():
     x = torch.randn(1, 4, args.dim, device=args.device)
     manager = offload.LayerwiseOffloadManager(list(blocks), args.device, resident_layers=0, host_store="disk")
     if args.folder:
-        manager.disk_folder = args.folder
+        manager.host.disk_folder = args.folder
     manager.attach()
     per_step, stalls = [], []
     with torch.no_grad():
@@ -134,7 +134,7 @@ def main():
             stalls.append(stats.disk_stall_seconds - stall)
     grown = anon_rss() - before
     stats = manager.stats()
-    disk = manager._disk
+    disk = manager.host.disk
     chunk = offload.disk_tier.CHUNK_BYTES
     source_path = checkpoint.path if checkpoint is not None else disk.file.path
     plain = plain_direct_read(source_path, chunk)

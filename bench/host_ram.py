@@ -58,7 +58,7 @@ def pinned_for(device: torch.device, dim: int, blocks: int, resident: int):
     manager = offload.LayerwiseOffloadManager(model.blocks_in_call_order(), device, pin_memory=True,
                                               resident_layers=resident)
     if device.type != "cuda":
-        manager.pinner = RecordingPinner()
+        manager.host.pinner = RecordingPinner()
     manager.prepare()
     sizes = manager.block_nbytes()
     streamed = sum(sizes[resident:])

@@ -93,9 +93,9 @@ def main() -> None:
             offloaded = offload_model(with_lora(model) if way != "none" else model, 0, 1, "leading", False)
             out = sample(offloaded)  # warm-up: packs the host store
             manager = offloaded.attachments["layerwise_offload"].manager
-            if manager.after_copy is not None:
+            if manager.copier.transform is not None:
                 transform_seconds[0] = 0.0
-                manager._after_copy = timed(manager.after_copy, args.device, transform_seconds)
+                manager.copier.transform = timed(manager.copier.transform, args.device, transform_seconds)
             copies_before, copy_seconds_before = manager.stats().copies_issued, manager.stats().copy_seconds
             for _ in range(args.repeats):
                 before = manager.stats().forwards

@@ -21,7 +21,7 @@ import comfy.model_management
 
 from ..offload.device_backend import normalize_device
 from ..offload.hooks import cuda_graph_refusal
-from ..offload import LayerwiseOffloadManager, OffloadConfig, choose_resident_blocks, resolve_resident_count
+from ..offload import LayerwiseOffloadManager, OffloadConfig, Schedule, choose_resident_blocks, resolve_resident_count
 from ..offload.advice import activation_words, recommend
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
@@ -114,10 +114,8 @@ class OffloadController:
     def _planned_block_bytes(self, resident_count: int) -> int:
         """Device bytes of this output's plan with ``resident_count`` residents (the manager untouched)."""
         sizes = self.manager.block_nbytes()
-        resident = choose_resident_blocks(len(sizes), resident_count, self.config.policy)
-        streamed = [size for size, keep in zip(sizes, resident) if not keep]
-        slots = min(self.config.prefetch_size + 1, len(streamed))
-        return sum(size for size, keep in zip(sizes, resident) if keep) + slots * max(streamed, default=0)
+        schedule = Schedule(choose_resident_blocks(len(sizes), resident_count, self.config.policy))
+        return schedule.device_bytes(sizes, self.config.prefetch_size)
 
     def planned_footprint(self) -> int:
         """What ComfyUI is told this model needs on the device (``model_size()``)."""
@@ -127,9 +125,9 @@ class OffloadController:
     def host_ram_bytes(self) -> int:
         """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
         host = sum(t.nelement() * t.element_size() for t in self._non_block_tensors() if t.device.type == "cpu")
-        disk = self.manager._disk  # blocks in the disk tier's file hold only its staging ring in RAM
+        disk = self.manager.host.disk  # blocks in the disk tier's file hold only its staging ring in RAM
         staging = disk.ring_bytes if disk is not None else 0
-        tiers = self.manager.host_tiers()
+        tiers = self.manager.host.tiers()
         return host + staging + sum(n for n, t in zip(self.manager.block_nbytes(), tiers) if t == "ram")
 
     def loaded_bytes(self) -> int:
@@ -178,7 +176,7 @@ class OffloadController:
         # The manager is shared by every output of this model: another output may have set its own LoRA.
         keys = tuple((index, tuple(key for _, key, _ in patches)) for index, patches in plan.items())
         signature = (patcher.patches_uuid, str(device_to), keys)
-        if plan and getattr(self.manager.after_copy, "signature", None) != signature:
+        if plan and getattr(self.manager.copier.transform, "signature", None) != signature:
             self.manager.set_after_copy(DeviceLora(plan, device_to, signature))
             log.info("[layerwise-offload] LoRA over %d block weights applied on the device as blocks are copied in",
                      sum(len(p) for p in plan.values()))
@@ -252,7 +250,7 @@ class OffloadController:
 
     def release_device_memory(self) -> None:
         self.manager.release_all()
-        self.manager.remove_hooks()  # installed again by the next load's first forward, then kept for its forwards
+        self.manager.hooks.remove()  # installed again by the next load's first forward, then kept for its forwards
 
     def free_device_memory(self, nbytes: int) -> int:
         """ComfyUI asks for ``nbytes`` back: demote residents from the tail until the plan is that
@@ -315,12 +313,12 @@ class OffloadController:
         # model compiler, malloc_graph), and our buffers outlive every forward.
         self.manager.arm()
         self.manager.attach()  # once per model (offload/hooks.py: re-adding them would recompile every forward)
-        self.manager.hooks_active = True
+        self.manager.hooks.active = True
         try:
             with self.manager.forward_scope():
                 yield
         finally:
-            self.manager.hooks_active = False
+            self.manager.hooks.active = False
             self.base_model.model_loaded_weight_memory = self.loaded_bytes()
 
     def rebound(self, patcher) -> "OffloadController":
@@ -344,14 +342,14 @@ class OffloadController:
         """This model's manager for ``device`` (shared by every output of the model), with ComfyUI's pinning."""
         self.manager = shared_manager(self.diffusion_model, self.discovered, device, self.config)
         self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
-        self.manager.pin_cap_bytes = comfyui_pinned_memory_cap()
-        self.manager.pinner = comfyui_pinner() or self.manager.pinner
+        self.manager.host.pin_cap_bytes = comfyui_pinned_memory_cap()
+        self.manager.host.pinner = comfyui_pinner() or self.manager.host.pinner
 
     def begin_run(self, patcher) -> None:
         self.manager.reset_peaks()
         # Other models pin and unpin between runs: what is left of ComfyUI's cap is read again each run.
         store = self.manager.store
-        self.manager.pin_cap_bytes = comfyui_pinned_memory_cap(store.pinned_nbytes() if store is not None else 0)
+        self.manager.host.pin_cap_bytes = comfyui_pinned_memory_cap(store.pinned_nbytes() if store is not None else 0)
         if self.manager.prepare():
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
             point_backups_at_store(patcher, self._device_plan, self.manager.store)
@@ -370,7 +368,7 @@ class OffloadController:
             return None
         started, before = self._run_start
         self._run_start = None
-        if self.manager.after_copy is not None and self.device.type == "cpu":
+        if self.manager.copier.transform is not None and self.device.type == "cpu":
             # CPU loopback: the device-side LoRA's scratch tensors were host memory; glibc keeps them otherwise.
             return_freed_host_memory()
         after = self.manager.stats()

@@ -134,9 +134,9 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     diffusion_model = model.get_model_object("diffusion_model")
     discovered = discover_blocks(diffusion_model)
     controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto)
-    controller.manager.disk_folder = disk_folder()
+    controller.manager.host.disk_folder = disk_folder()
     # Planned under this output's host_store: the shared manager may still hold another output's settings.
-    refusal = controller.manager.host_memory_shortfall(
+    refusal = controller.manager.host.shortfall(
         f"{DISPLAY_NAME}: resident_layers={-1 if auto else resident_layers}, prefetch_size={prefetch_size}, "
         f"residency_policy={residency_policy}, pin_memory={pin_memory}, host_store={host_store}", host_store)
     if refusal is not None:  # here, so ComfyUI reports it against this node and its settings, not the sampler

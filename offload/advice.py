@@ -27,7 +27,7 @@ def block_tiers(manager) -> str:
     if schedule is None:
         return ""
     resident = set(schedule.resident_blocks)
-    tiers = manager.host_tiers()
+    tiers = manager.host.tiers()
     return "".join(RESIDENT if i in resident else ON_DISK if tiers[i] == "disk" else STREAMED
                    for i in range(manager.num_blocks))
 

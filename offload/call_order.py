@@ -50,84 +50,83 @@ class CallOrder:
         return [self.calls[streamed[(start + k) % len(streamed)]] for k in range(count)]
 
 
-class CallOrderMixin:
-    """Look-ahead for :class:`LayerwiseOffloadManager`: learned call order, list order as fallback."""
+class CallTracker:
+    """What a manager learns of the order its blocks run in, and the look-ahead it predicts from that.
 
-    def _reset_call_tracking(self) -> None:
-        self._learned_calls: Optional[Tuple[int, ...]] = None
-        self._order: Optional[CallOrder] = None
+    Owns the record of the last complete forward that ran differently, and where the running forward stands
+    in it. ``resident`` (per block) comes from the manager's plan; without a plan nothing is predicted.
+    """
+
+    def __init__(self):
+        self.learned_calls: Optional[Tuple[int, ...]] = None
+        self.order: Optional[CallOrder] = None
+        self.in_forward = False
+        self._resident: Optional[Sequence[bool]] = None
         self._calls: List[int] = []
         self._position: Optional[int] = None  # of the block running now in the record
         self._expected = 0  # the record position the next call should have
-        self._in_forward = False
 
-    @property
-    def learned_call_order(self) -> Optional[Tuple[int, ...]]:
-        """The block calls of the last complete forward that ran differently from the one before."""
-        return self._learned_calls
+    def set_plan(self, resident: Optional[Sequence[bool]]) -> None:
+        """The plan changed (``resident``: which blocks stay on the device; None: unarmed)."""
+        self._resident = resident
+        self._rebuild()
 
-    def _rebuild_order(self) -> None:
-        calls = self._learned_calls
-        self._order = CallOrder(calls, self.schedule.resident) if calls and self.schedule is not None else None
+    def _rebuild(self) -> None:
+        calls = self.learned_calls
+        self.order = CallOrder(calls, self._resident) if calls and self._resident is not None else None
 
-    def _begin_tracking(self) -> None:
-        self._in_forward = True
+    def begin(self) -> None:
+        self.in_forward = True
         self._calls = []
         self._expected = 0
         self._position = None
 
-    def _end_tracking(self, completed: bool) -> None:
-        self._in_forward = False
+    def end(self, completed: bool) -> None:
+        self.in_forward = False
         self._position = None
         calls, self._calls = tuple(self._calls), []
         # An interrupted forward ran only part of its blocks; its record would mislead the next one.
-        if completed and calls and calls != self._learned_calls:
-            self._learned_calls = calls
-            self._rebuild_order()
+        if completed and calls and calls != self.learned_calls:
+            self.learned_calls = calls
+            self._rebuild()
 
-    def _track_call(self, index: int) -> None:
-        if not self._in_forward:  # no forward scope: nothing to learn from, predict in list order
+    def track(self, index: int) -> None:
+        if not self.in_forward:  # no forward scope: nothing to learn from, predict in list order
             self._position = None
             return
         self._calls.append(index)
-        if self._order is None:
+        if self.order is None:
             return
-        self._position = self._order.locate(index, self._expected)
+        self._position = self.order.locate(index, self._expected)
         if self._position is not None:
             self._expected = self._position + 1
 
-    def _window(self, index: int) -> Optional[List[int]]:
-        order, position = self._order, self._position
+    def window(self, index: int, count: int) -> Optional[List[int]]:
+        """The blocks of the next ``count`` streamed calls after the call of ``index`` running now; None when
+        the record does not know where the forward stands (then the caller falls back to list order)."""
+        order, position = self.order, self._position
         if order is None or position is None or order.calls[position] != index:
             return None
-        return order.window(position, self.config.prefetch_size)
+        return order.window(position, count)
 
-    def _upcoming(self, index: int) -> List[int]:
-        """The streamed blocks to have on the device next, after the block ``index`` runs."""
-        window = self._window(index)
+    def upcoming(self, index: int, count: int, schedule, materialized: bool) -> List[int]:
+        """The streamed blocks to have on the device next, after block ``index`` (``materialized``: on the device
+        now) runs: up to ``count``, in the learned order, else in ``schedule``'s list order."""
+        window = self.window(index, count)
         if window is None:
-            return self.schedule.upcoming_streamed(index, self.config.prefetch_size)
+            return schedule.upcoming_streamed(index, count)
         picked: List[int] = []
         for block in window:
-            if block in picked or (block == index and self._materialized[index]):
+            if block in picked or (block == index and materialized):
                 continue
             picked.append(block)
         return picked
 
-    def _runs_again_soon(self, index: int) -> bool:
-        """Whether ``index`` is called again within the look-ahead (VACE: once per context; or every
-        streamed call fits in the slots), so its slot keeps it rather than copy it in again."""
-        window = self._window(index)
-        return window is not None and index in window
-
-    def _prefetch_after(self, index: int, pageable: Optional[bool] = None) -> None:
-        """Start the copies of the blocks to run next; ``pageable`` picks only the copies from pageable
-        (True) or page-locked (False) host memory. A pageable copy is staged by the host and waits for the
-        copy stream: issued before block ``index`` is launched it would leave the GPU idle, issued after it
-        overlaps its compute."""
-        targets = self._upcoming(index)
-        for target in targets:
-            if self._materialized[target] or (pageable is not None and self._copy_is_pageable(target) != pageable):
-                continue
-            if not self._materialize(target, protect=targets, may_fail=True):
-                break
+    def lookahead(self, index: int, count: int, schedule) -> List[int]:
+        """The ``count`` streamed calls after the next call of ``index``, a block about to be copied rather than
+        running (the learned order from where the next call should be, else ``schedule``'s list order)."""
+        order = self.order
+        position = order.locate(index, self._expected) if order is not None else None
+        if position is None:
+            return schedule.upcoming_streamed(index, count) if schedule is not None else []
+        return order.window(position, count)

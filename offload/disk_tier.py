@@ -283,6 +283,10 @@ class DiskTier:
         self.stall_seconds += time.perf_counter() - started
         return staging.buffer.narrow(0, 0, self.regions[index][1])
 
+    def pageable(self, index: int) -> bool:
+        """Whether copies from the staging ring read pageable memory (the ring could not be page-locked)."""
+        return not self.pinned
+
     def copied(self, index: int, handle) -> None:
         """The copy of block ``index`` from its staging buffer is queued: refill the buffer after ``handle``."""
         for staging in self.ring:

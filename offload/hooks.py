@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -30,38 +29,43 @@ def cuda_graph_refusal(compile_kwargs: Optional[dict]) -> Optional[str]:
     return None
 
 
-class HookMixin:
-    """Hook installation and per-forward counting for :class:`LayerwiseOffloadManager`.
+class BlockHooks:
+    """The forward hooks that drive a manager: a pre/post pair on every block, a begin/end pair on the root.
 
-    The hooks are installed once and stay; ``hooks_active`` switches what they do. Adding and removing
-    hooks around every forward would change the modules' hook dicts, which torch.compile guards on: every
+    The hooks are installed once and stay; ``active`` switches what they do. Adding and removing hooks
+    around every forward would change the modules' hook dicts, which torch.compile guards on: every
     forward would recompile. The check runs inside compiler-disabled calls, so it adds no guard either.
+    ``driver`` has ``before_block(i)``, ``after_block(i)``, ``begin_forward()``, ``end_forward(completed)``.
     """
 
-    hooks_active = True
-
-    def attach(self, root: Optional[nn.Module] = None) -> "HookMixin":
-        """Install the block hooks (and forward-scope hooks on ``root``, if given). Idempotent."""
-        if self._hooks:
-            return self
-        for index, block in enumerate(self.blocks):
-            self._hooks.append(block.register_forward_pre_hook(self._make_pre_hook(index)))
-            self._hooks.append(block.register_forward_hook(self._make_post_hook(index), always_call=True))
-        if root is not None:
-            self._hooks.append(root.register_forward_pre_hook(lambda module, args: self.begin_forward()))
-            # After an exception PyTorch calls this hook with no output: that forward is not learned from.
-            self._hooks.append(root.register_forward_hook(
-                lambda module, args, output: self.end_forward(completed=output is not None), always_call=True))
-        return self
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+    def __init__(self, blocks: Sequence[nn.Module], driver):
+        self._blocks = blocks
+        self._driver = driver
+        self._handles: List[torch.utils.hooks.RemovableHandle] = []
+        self.active = True
 
     @property
-    def hooks_installed(self) -> bool:
-        return bool(self._hooks)
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def attach(self, root: Optional[nn.Module] = None) -> None:
+        """Install the block hooks (and forward-scope hooks on ``root``, if given). Idempotent."""
+        if self._handles:
+            return
+        driver = self._driver
+        for index, block in enumerate(self._blocks):
+            self._handles.append(block.register_forward_pre_hook(self._make_pre_hook(index)))
+            self._handles.append(block.register_forward_hook(self._make_post_hook(index), always_call=True))
+        if root is not None:
+            self._handles.append(root.register_forward_pre_hook(lambda module, args: driver.begin_forward()))
+            # After an exception PyTorch calls this hook with no output: that forward is not learned from.
+            self._handles.append(root.register_forward_hook(
+                lambda module, args, output: driver.end_forward(completed=output is not None), always_call=True))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module, args):
@@ -75,57 +79,10 @@ class HookMixin:
 
     @_compiler_disable
     def _pre_block(self, index: int) -> None:
-        if self.hooks_active:
-            self.before_block(index)
+        if self.active:
+            self._driver.before_block(index)
 
     @_compiler_disable
     def _post_block(self, index: int) -> None:
-        if self.hooks_active:
-            self.after_block(index)
-
-    @contextmanager
-    def forward_scope(self):
-        """Count one model forward: per-forward counters cover what happens inside."""
-        self.begin_forward()
-        try:
-            yield self
-        except BaseException:
-            self.end_forward(completed=False)
-            # The failure may have come between two steps of the bookkeeping (a copy issued, its slot not yet
-            # recorded): the next forward starts from nothing rather than from what this one left.
-            self.release_all()
-            raise
-        self.end_forward()
-
-    @_compiler_disable
-    def begin_forward(self) -> None:
-        self._forwards += 1
-        self._forward_bytes = 0
-        self._forward_copies = 0
-        self.backend.settle(block=False)
-        self._retire_bounce()
-        self._begin_tracking()
-
-    @_compiler_disable
-    def end_forward(self, completed: bool = True) -> None:
-        """Close a forward: learn its call order, and keep what it prefetched out of outside code's reach.
-
-        Blocks prefetched for the next forward sit in device memory whose copy may still be in flight on the
-        copy stream. Code outside the hooks (ComfyUI reading weights, a run of this model without the offload)
-        would read them without waiting; making the compute stream wait here instead would hold everything
-        queued after this forward (the sampler's math, the next forward's resident blocks) behind the next
-        forward's first copies. So their parameters point back at the host copy (or the placeholders) until
-        their block's pre-hook waits for the copy on the compute stream and points them at the device again.
-        """
-        self._last_forward_bytes = self._forward_bytes
-        self._last_forward_copies = self._forward_copies
-        self._end_tracking(completed)
-        self._hide_pending_copies()
-        if self._release_after_forward:
-            self.release_all()
-
-    def _hide_pending_copies(self) -> None:
-        for index, handle in enumerate(self._pending_copy):
-            if handle is not None and index not in self._hidden:
-                self._point_released(index)
-                self._hidden.add(index)
+        if self.active:
+            self._driver.after_block(index)

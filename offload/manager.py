@@ -9,29 +9,29 @@ streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copie
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Iterable, List, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from .block_checks import move_block_buffers
+from .block_copier import BlockCopier, BlockTransform
+from .block_params import BlockParameters
+from .call_order import CallTracker
 from .config import OffloadConfig, resolve_resident_count
 from .device_backend import make_backend, normalize_device
-from .host_memory import available_host_bytes
-from .pinning import default_pinner
+from .device_memory import DeviceMemory
+from .hooks import BlockHooks
+from .host_side import HostSide
 from .host_store import HostStore, block_parameters, params_are_inference, plan_layout
-from .block_checks import check_no_shared_parameters, move_block_buffers
 from .schedule import Schedule, choose_resident_blocks
-from .call_order import CallOrderMixin
-from .hooks import HookMixin
-from .tensor_subclass import point_param_at, weight_pointer
-from .host_side import HostSideMixin
-from .after_copy import AfterCopyMixin
-from .stats import CountersMixin, OffloadStats, snapshot
+from .stats import Counters, OffloadStats, snapshot
 
 _compiler_disable = torch.compiler.disable
 
 
-class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCopyMixin, CountersMixin):
+class LayerwiseOffloadManager:
     """Keeps the leading (or strided) blocks on ``device`` and streams the rest from host memory.
 
     Args:
@@ -43,6 +43,11 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
     Lifecycle: ``attach()`` installs the hooks; the first block forward arms the plan (host store,
     device slots, resident copies); ``release_all()`` returns every device byte; ``replan()``
     changes the plan; ``detach()`` gives the blocks back as ordinary parameters.
+
+    The manager owns the plan and each block's state (materialized or not, its views, its pending copy) and
+    holds its parts: ``host`` (where the host copies live: RAM or disk, packing, pinning), ``device_memory``
+    (resident buffers and slots), ``copier`` (the copy and its transform), ``calls`` (the learned call
+    order), ``hooks`` and ``counters``.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], device, config: Optional[OffloadConfig] = None,
@@ -52,39 +57,38 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
             raise ValueError("LayerwiseOffloadManager needs at least one block to manage")
         if len({id(b) for b in self.blocks}) != len(self.blocks):
             raise ValueError("the same module appears twice in the block list; pass each block once")
-        self.config = dataclasses.replace(config or OffloadConfig(), **overrides)
         self.device = normalize_device(torch.device(device))
         self.host_device = torch.device("cpu")
-        self._named_params = [block_parameters(b) for b in self.blocks]
-        # Where each block's parameters point now (in _named_params order), to notice outside moves.
-        self._expected_pointers: List[Optional[List[int]]] = [None] * len(self.blocks)
-        check_no_shared_parameters(self._named_params)
+        self.host = HostSide(self.blocks, self.device, dataclasses.replace(config or OffloadConfig(), **overrides))
+        self.params = BlockParameters(self.blocks)
         self.backend = make_backend(self.device, self.config.measure_time)
-        self.store: Optional[HostStore] = None
-        self.inference_tensors = False  # whether the blocks' parameters (and so our buffers) are inference tensors
-        # Host-memory policy: an outside cap on pinned bytes (ComfyUI's own limit), and the reader of
-        # available host memory (replaceable, so tests can pass a figure instead of patching psutil).
-        self.pin_cap_bytes: Optional[int] = None
-        self.available_host_bytes = available_host_bytes
-        self.pinner = default_pinner(self.device)  # how host buffers are page-locked (None: never)
-        self._last_pin_warning = None
+        self.device_memory = DeviceMemory(self.device, self.num_blocks)
+        self.copier = BlockCopier()
+        self.calls = CallTracker()
+        self.hooks = BlockHooks(self.blocks, self)
+        self.counters = Counters(self.num_blocks)
         self.schedule: Optional[Schedule] = None
-        self._hooks: List[torch.utils.hooks.RemovableHandle] = []
-        self._placeholders: Dict[tuple, torch.Tensor] = {}
-        self._reset_call_tracking()
         self._reset_device_state()
         self._release_after_forward = False
-        self._bytes_copied = 0
-        self._copies_issued = 0
-        self._demand_copies = 0
-        self.copies_per_block = [0] * self.num_blocks
-        self._forwards = 0
-        self._forward_bytes = 0
-        self._forward_copies = 0
-        self._last_forward_bytes = self._last_forward_copies = 0
-        self._peak_materialized = self._peak_device_bytes = 0
 
     # ----------------------------------------------------------------- state
+    @property
+    def config(self) -> OffloadConfig:
+        return self.host.config
+
+    @config.setter
+    def config(self, config: OffloadConfig) -> None:
+        self.host.config = config
+
+    @property
+    def store(self) -> Optional[HostStore]:
+        return self.host.store
+
+    @property
+    def inference_tensors(self) -> bool:
+        """Whether the blocks' parameters (and so every buffer of ours) are inference tensors."""
+        return self.host.inference_tensors
+
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
@@ -95,8 +99,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
 
     @property
     def pin_memory(self) -> bool:
-        pin = self.config.pin_memory
-        return self.device.type != "cpu" if pin is None else pin
+        return self.host.pin_memory
 
     def is_materialized(self, index: int) -> bool:
         return self._materialized[index]
@@ -111,35 +114,77 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         """Bytes each block occupies on the device once materialized."""
         if self.store is not None:
             return [layout.nbytes for layout in self.store.layouts]
-        return [plan_layout(named).nbytes for named in self._named_params]
+        return [plan_layout(named).nbytes for named in self.params.named]
 
     def planned_device_bytes(self, schedule: Optional[Schedule] = None) -> int:
         """The device bytes the plan holds once armed: resident buffers plus streaming slots."""
         schedule = schedule or self.schedule or self._make_schedule()
-        sizes = self.block_nbytes()
-        resident = sum(sizes[i] for i in schedule.resident_blocks)
-        streamed = [sizes[i] for i in schedule.streamed_blocks]
-        slots = min(self.config.prefetch_size + 1, len(streamed))
-        return resident + (slots * max(streamed) if streamed else 0)
+        return schedule.device_bytes(self.block_nbytes(), self.config.prefetch_size)
 
     def device_bytes(self) -> int:
-        held = sum(b.numel() for b in self._resident_buffers.values())
-        return held + sum(b.numel() for b in self._slots)
+        return self.device_memory.nbytes()
+
+    # ----------------------------------------------------------------- hooks and forwards
+    def attach(self, root: Optional[nn.Module] = None) -> "LayerwiseOffloadManager":
+        """Install the block hooks (and forward-scope hooks on ``root``, if given). Idempotent."""
+        self.hooks.attach(root)
+        return self
+
+    @contextmanager
+    def forward_scope(self):
+        """Count one model forward: per-forward counters cover what happens inside."""
+        self.begin_forward()
+        try:
+            yield self
+        except BaseException:
+            self.end_forward(completed=False)
+            # The failure may have come between two steps of the bookkeeping (a copy issued, its slot not yet
+            # recorded): the next forward starts from nothing rather than from what this one left.
+            self.release_all()
+            raise
+        self.end_forward()
+
+    @_compiler_disable
+    def begin_forward(self) -> None:
+        self.counters.begin_forward()
+        self.backend.settle(block=False)
+        self.copier.retire_bounce()
+        self.calls.begin()
+
+    @_compiler_disable
+    def end_forward(self, completed: bool = True) -> None:
+        """Close a forward: learn its call order, and keep what it prefetched out of outside code's reach.
+
+        Blocks prefetched for the next forward sit in device memory whose copy may still be in flight on the
+        copy stream. Code outside the hooks (ComfyUI reading weights, a run of this model without the offload)
+        would read them without waiting; making the compute stream wait here instead would hold everything
+        queued after this forward (the sampler's math, the next forward's resident blocks) behind the next
+        forward's first copies. So their parameters point back at the host copy (or the placeholders) until
+        their block's pre-hook waits for the copy on the compute stream and points them at the device again.
+        """
+        self.counters.end_forward()
+        self.calls.end(completed)
+        for index, handle in enumerate(self._pending_copy):
+            if handle is not None and index not in self._hidden:
+                self._point_released(index)
+                self._hidden.add(index)
+        if self._release_after_forward:
+            self.release_all()
 
     # ----------------------------------------------------------------- the step
     @_compiler_disable
     def before_block(self, index: int) -> None:
         if not self.armed:
             self.arm()
-        self._track_call(index)
+        self.calls.track(index)
         if not self._materialized[index]:
-            self._demand_copies += 1
+            self.counters.demand_copies += 1
             self._materialize(index, protect=self._upcoming(index))
         handle = self._pending_copy[index]
         if handle is not None:
             self.backend.wait_for_copy(handle)
             self._pending_copy[index] = None
-        if index in self._hidden:  # prefetched by the last forward (hooks.end_forward): the wait is queued now
+        if index in self._hidden:  # prefetched by the last forward (end_forward): the wait is queued now
             self._hidden.discard(index)
             self._point_at(index, self._device_views[index])
         self._running[index] += 1
@@ -153,10 +198,32 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
             self._running[index] -= 1
         if self.schedule is None or self.schedule.resident[index] or self._running[index] > 0:
             return
-        if not self._runs_again_soon(index):
+        window = self.calls.window(index, self.config.prefetch_size)
+        # Called again within the look-ahead (VACE: once per context; or every streamed call fits in the slots):
+        # its slot keeps it rather than copy it in again.
+        if window is None or index not in window:
             self._release(index)
             # Its slot is free now: the look-ahead may want this very block again (next forward).
             self._prefetch_after(index)
+
+    def _upcoming(self, index: int) -> List[int]:
+        """The streamed blocks to have on the device next, after the block ``index`` runs."""
+        return self.calls.upcoming(index, self.config.prefetch_size, self.schedule, self._materialized[index])
+
+    def _prefetch_after(self, index: int, pageable: Optional[bool] = None) -> None:
+        """Start the copies of the blocks to run next; ``pageable`` picks only the copies from pageable
+        (True) or page-locked (False) host memory. A pageable copy is staged by the host and waits for the
+        copy stream: issued before block ``index`` is launched it would leave the GPU idle, issued after it
+        overlaps its compute."""
+        targets = self._upcoming(index)
+        for target in targets:
+            if self._materialized[target] or (pageable is not None and self._copy_is_pageable(target) != pageable):
+                continue
+            if not self._materialize(target, protect=targets, may_fail=True):
+                break
+
+    def _copy_is_pageable(self, index: int) -> bool:
+        return self.backend.asynchronous and self.host.pageable(index)
 
     # ----------------------------------------------------------------- arming
     def _make_schedule(self) -> Schedule:
@@ -177,23 +244,18 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         slot_bytes = max((sizes[i] for i in streamed), default=0)
         move_block_buffers(self.blocks, self.device)
         self._sync_pinning(schedule)
-        residents = {index: self._allocate_device(sizes[index]) for index in schedule.resident_blocks}
-        slots = [self._allocate_device(slot_bytes) for _ in range(slot_count)]
-        self._resident_buffers, self._slots = residents, slots
-        self._slot_owner = [None] * slot_count
         # Fresh memory may have been freed by tensors that queued compute work still reads: the first
-        # copy into each buffer waits for the compute stream as it is now.
+        # copy into each buffer waits for the compute stream as it is now (marked once all is allocated).
+        memory = self.device_memory
+        memory.inference = self.inference_tensors
+        memory.hold([(i, sizes[i]) for i in schedule.resident_blocks], slot_count, slot_bytes, None)
         allocated = self.backend.mark_compute()
-        self._slot_free = [allocated] * slot_count
+        memory.slot_free = [allocated] * slot_count
         self.schedule = schedule
-        self._rebuild_order()
+        self.calls.set_plan(schedule.resident)
         for index in schedule.resident_blocks:
             self._materialize(index, after=allocated)
         self._note_peaks()
-
-    def _allocate_device(self, nbytes: int) -> torch.Tensor:
-        with torch.inference_mode(self.inference_tensors):
-            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     # ----------------------------------------------------------------- copies
     def _materialize(self, index: int, protect: Iterable[int] = (), may_fail: bool = False, after=None) -> bool:
@@ -204,15 +266,12 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
 
     def _materialize_normal(self, index: int, protect: Iterable[int], may_fail: bool, after) -> bool:
         layout = self.store.layouts[index]
+        memory = self.device_memory
         if self.schedule.resident[index]:
-            buffer = self._resident_buffers.get(index)
-            if buffer is None:
-                buffer = self._resident_buffers[index] = self._allocate_device(layout.nbytes)
+            buffer, fresh = memory.resident(index, layout.nbytes)
+            if fresh:  # a forced release gave the buffer back: it is new memory
                 after = self.backend.mark_compute()
-            views = self._view_cache.get(("resident", index))
-            if views is None:
-                views = self._view_cache[("resident", index)] = layout.weight_views(buffer)
-            self._block_slot[index] = None
+            key = ("resident", index)
         else:
             slot = self._acquire_slot(set(protect), evict_protected=not may_fail)
             if slot is None:
@@ -221,76 +280,45 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
                 raise RuntimeError(
                     f"[layerwise-offload] no free device slot for block {index}: every slot holds a running "
                     f"block; raise prefetch_size or check for re-entrant block calls")
-            buffer = self._slots[slot]
-            after = self._slot_free[slot]
-            views = self._view_cache.get((slot, index))
-            if views is None:
-                views = self._view_cache[(slot, index)] = layout.weight_views(buffer)
-            self._slot_owner[slot] = index
-            self._block_slot[index] = slot
-        # The host side answers where the bytes are: the store's buffer, or a disk block's staging buffer.
-        handle = self._pending_copy[index] = self._copy_in(index, buffer.narrow(0, 0, layout.nbytes),
-                                                           self._copy_source(index), after, views)
-        self._copy_sourced(index, handle)
+            buffer, after = memory.take(slot, index)
+            key = (slot, index)
+        views = self.params.views(key, lambda: layout.weight_views(buffer))
+        reach = self.config.prefetch_size + self.host.ring_size
+        ahead = self.calls.lookahead(index, reach, self.schedule) if self.host.reads_ahead(index) else ()
+        source = self.host.source(index, ahead)
+        bounce = (self.host.pinner if self.schedule.resident[index] and self.pin_memory
+                  and self._copy_is_pageable(index) else None)
+        handle = self._pending_copy[index] = self.copier.copy(
+            self.backend, index, buffer.narrow(0, 0, layout.nbytes), source, after, views, bounce_pinner=bounce)
+        self.host.copied(index, handle)
         self._point_at(index, views)
         self._device_views[index] = views
         self._hidden.discard(index)
         self._materialized[index] = True
-        self._count_copy(index, layout.nbytes)
+        self.counters.count_copy(index, layout.nbytes)
         self._note_peaks()
         return True
 
     def _acquire_slot(self, protect: set, evict_protected: bool) -> Optional[int]:
-        for slot, owner in enumerate(self._slot_owner):
-            if owner is None:
-                return slot
+        free = self.device_memory.free_slot()
+        if free is not None:
+            return free
         # Evict a block nobody is running: first one the plan no longer expects (a skipped or
         # out-of-order block), then an expected one, but only when a block needs a slot right now.
         passes = (False, True) if evict_protected else (False,)
         for allow_protected in passes:
-            for slot, owner in enumerate(self._slot_owner):
+            for slot, owner in self.device_memory.owners():
                 if self._running[owner] or (owner in protect and not allow_protected):
                     continue
                 self._release(owner)
                 return slot
         return None
 
-    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
-        key = (dtype, self.inference_tensors)
-        placeholder = self._placeholders.get(key)
-        if placeholder is None:
-            with torch.inference_mode(self.inference_tensors):
-                placeholder = self._placeholders[key] = torch.empty(0, dtype=dtype, device=self.host_device)
-        return placeholder
-
     def _point_at(self, index: int, views: Sequence[torch.Tensor]) -> None:
-        # A normal parameter's .data may only be swapped outside inference_mode.
-        with torch.inference_mode(params_are_inference(self._named_params[index])):
-            for weight, view in zip(self.store.layouts[index].weights, views):
-                point_param_at(weight.param, view)
-        self._expected_pointers[index] = [weight_pointer(param) for _, param in self._named_params[index]]
+        self.params.point_at(index, self.store.layouts[index], views)
 
     def _point_released(self, index: int) -> None:
-        # Views made in the caller's mode (ComfyUI samples under inference_mode) would not fit the parameters.
-        with torch.inference_mode(self.inference_tensors):
-            self._point_released_views(index)
-
-    def _point_released_views(self, index: int) -> None:
-        if self.config.released_params == "host":
-            views = self._view_cache.get(("host", index))
-            if views is None:
-                views = self._view_cache[("host", index)] = self.store.weight_views(index)
-        else:
-            # A subclass weight (quantized) cannot be an empty placeholder: it points at its host copy.
-            layout = self.store.layouts[index]
-            host = self.store.weight_views(index) if layout.has_subclass_weights else None
-            views = [self._placeholder(layout.entries[w.parts[0]].dtype) if w.rebuild is None else host[i]
-                     for i, w in enumerate(layout.weights)]
-        self._point_at(index, views)
-
-    def _drop_views(self, index: int) -> None:
-        for key in [k for k in self._view_cache if k[1] == index]:
-            del self._view_cache[key]
+        self.params.point_released(index, self.store, self.config.released_params == "host", self.inference_tensors)
 
     def _release(self, index: int) -> None:
         if not self._materialized[index]:
@@ -300,11 +328,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         self._pending_copy[index] = None
         self._hidden.discard(index)
         self._device_views.pop(index, None)
-        slot = self._block_slot[index]
-        if slot is not None:
-            self._slot_owner[slot] = None
-            self._slot_free[slot] = self.backend.mark_compute()
-            self._block_slot[index] = None
+        self.device_memory.give_back(index, self.backend.mark_compute)
 
     # ----------------------------------------------------------------- public release
     @_compiler_disable
@@ -320,10 +344,9 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         if self.schedule is not None and self.schedule.resident[index] and not force:
             return False
         self._release(index)
-        buffer = self._resident_buffers.pop(index, None)
-        if buffer is not None:
+        if self.device_memory.drop_resident(index):
             self.backend.synchronize()
-            self._view_cache.pop(("resident", index), None)
+            self.params.drop_views(index, "resident")
         return True
 
     @_compiler_disable
@@ -334,7 +357,7 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         between two statements of a copy), the release waits for the end of that forward: done at once it
         would pull the slots from under the block being copied in.
         """
-        if self._in_forward:
+        if self.calls.in_forward:
             self._release_after_forward = True
             return
         self._release_after_forward = False
@@ -344,26 +367,22 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
                 for index in range(self.num_blocks):
                     self._release(index)
             self.backend.settle(block=True)
-            self._retire_bounce(wait=True)
+            self.copier.retire_bounce(wait=True)
+            self.host.settled()
         finally:
             # Even when a failed forward left the bookkeeping half-updated, nothing of it survives.
             self._reset_device_state()
 
     def _reset_device_state(self) -> None:
         self.schedule = None
-        self._order = None
+        self.calls.set_plan(None)
+        self.device_memory.clear()
         self._materialized = [False] * self.num_blocks
         self._pending_copy = [None] * self.num_blocks
-        self._block_slot: List[Optional[int]] = [None] * self.num_blocks
         self._running = [0] * self.num_blocks
-        self._resident_buffers: Dict[int, torch.Tensor] = {}
-        self._slots: List[torch.Tensor] = []
-        self._slot_owner: List[Optional[int]] = []
-        self._slot_free: List[object] = []
-        self._view_cache: Dict[tuple, list] = {}
+        self.params.clear_views()
         self._device_views: Dict[int, list] = {}  # what a materialized block's parameters view on the device
         self._hidden: set = set()  # materialized blocks pointed at the host until their copy is waited for
-        self._host_reads: Dict[int, object] = {}  # block -> the last copy queued from its host buffer
 
     def replan(self, **changes) -> None:
         """Change resident_layers / prefetch_size / policy; takes effect at the next forward."""
@@ -380,14 +399,71 @@ class LayerwiseOffloadManager(HookMixin, CallOrderMixin, HostSideMixin, AfterCop
         """
         target = torch.device(device) if device is not None else self.host_device
         self.release_all()
-        self.remove_hooks()
+        self.hooks.remove()
         if self.store is not None:
-            self._drop_store(target)
-        self._expected_pointers = [None] * self.num_blocks
+            for index in range(self.num_blocks):  # every parameter gets its own copy, then the store goes
+                with torch.inference_mode(params_are_inference(self.params.named[index])):
+                    self._point_at(index, self.host.own_copy(index, target))
+            self.host.close()
+        self.params.let_go()
         move_block_buffers(self.blocks, target)
-        self._placeholders = {}
 
     def stats(self, synchronize: bool = True) -> OffloadStats:
         """A snapshot of the counters; ``synchronize`` waits for pending copy timings first."""
         self.backend.settle(block=synchronize)
         return snapshot(self, self.schedule or self._make_schedule())
+
+    # ----------------------------------------------------------------- the host copies
+    def prepare(self, progress: Optional[Callable[[int, int], None]] = None) -> List[int]:
+        """Build the host store from the blocks' current parameters, or bring it up to date.
+
+        The first call packs every block. Later calls repack only blocks whose parameters were
+        replaced or moved by someone else (a LoRA bake swapping Parameter objects, a whole-model
+        ``.to()``), and return their indices. ``progress(done, total)`` is called after each packed block.
+        """
+        changed = self.host.outdated(self.params)
+        if changed and self.armed:
+            self.release_all()
+        self._pack(changed, progress)
+        return changed
+
+    def repack_block(self, index: int) -> None:
+        """Re-read one block's parameters (new objects or new values) into the host store."""
+        if self.armed:
+            self.release_all()
+        if self.store is None:
+            self.prepare()
+        else:
+            self._pack([index])
+
+    def _pack(self, indices: Sequence[int], progress=None) -> None:
+        def packed(index: int) -> None:
+            self._materialized[index] = False
+            self._point_released(index)  # ComfyUI's copy of the block is freed here
+        self.host.pack(indices, self.params, packed, progress)
+        if indices:
+            self._sync_pinning()
+
+    def _sync_pinning(self, schedule: Optional[Schedule] = None) -> None:
+        schedule = schedule or self.schedule or self._make_schedule()
+        self.host.sync_pinning(self.backend, schedule.streamed_blocks)
+
+    # ----------------------------------------------------------------- transform and counters
+    def set_after_copy(self, transform: Optional[BlockTransform]) -> None:
+        """Apply ``transform`` to every block copied to the device from now on (None: plain copies).
+
+        Blocks on the device were copied with the old transform, so a different one releases them
+        (residents included); the next forward copies them again.
+        """
+        if transform is self.copier.transform:
+            return
+        if self.store is not None:
+            self.release_all()
+        self.copier.transform = transform
+
+    def reset_peaks(self) -> None:
+        """Start the peak counters (materialized blocks, device bytes) again from what is held now."""
+        self.counters.note_peaks(sum(self._materialized), self.device_bytes(), reset=True)
+
+    def _note_peaks(self) -> None:
+        self.counters.note_peaks(sum(self._materialized), self.device_bytes())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List, Tuple
+from typing import List, Sequence, Tuple
 
 
 def choose_resident_blocks(num_blocks: int, resident_count: int, policy: str) -> Tuple[bool, ...]:
@@ -55,6 +55,13 @@ class Schedule:
                 k += 1
             positions.append(k % len(streamed) if streamed else 0)
         return tuple(positions)
+
+    def device_bytes(self, sizes: Sequence[int], prefetch_size: int) -> int:
+        """What the plan holds on the device once armed: each resident's buffer, and ``prefetch_size + 1``
+        slots (fewer when fewer blocks stream) of the largest streamed block."""
+        streamed = [sizes[i] for i in self.streamed_blocks]
+        slots = min(prefetch_size + 1, len(streamed))
+        return sum(sizes[i] for i in self.resident_blocks) + slots * max(streamed, default=0)
 
     def upcoming_streamed(self, after_block: int, count: int) -> List[int]:
         """The next ``count`` streamed blocks after ``after_block``, wrapping into the next step."""

@@ -47,32 +47,66 @@ class OffloadStats:
         return data
 
 
+class Counters:
+    """What a manager counts: copies (since it was made, and in the last forward), forwards, and peaks."""
+
+    def __init__(self, num_blocks: int):
+        self.bytes_copied = 0
+        self.copies_issued = 0
+        self.demand_copies = 0  # copies issued when a block was about to run (not prefetched in time)
+        self.copies_per_block = [0] * num_blocks
+        self.forwards = 0
+        self._forward_bytes = self._forward_copies = 0
+        self.last_forward_bytes = self.last_forward_copies = 0
+        self.peak_materialized = self.peak_device_bytes = 0
+
+    def count_copy(self, index: int, nbytes: int) -> None:
+        self.bytes_copied += nbytes
+        self.copies_issued += 1
+        self._forward_bytes += nbytes
+        self._forward_copies += 1
+        self.copies_per_block[index] += 1
+
+    def begin_forward(self) -> None:
+        self.forwards += 1
+        self._forward_bytes = self._forward_copies = 0
+
+    def end_forward(self) -> None:
+        self.last_forward_bytes = self._forward_bytes
+        self.last_forward_copies = self._forward_copies
+
+    def note_peaks(self, materialized: int, device_bytes: int, reset: bool = False) -> None:
+        """Raise the peaks to what is held now (``reset``: start them again from it)."""
+        self.peak_materialized = materialized if reset else max(self.peak_materialized, materialized)
+        self.peak_device_bytes = device_bytes if reset else max(self.peak_device_bytes, device_bytes)
+
+
 def snapshot(manager, schedule) -> OffloadStats:
     """The counters of ``manager`` under ``schedule`` (its current plan) as one frozen record."""
-    m = manager
-    disk = getattr(m, "_disk", None)
+    m, counts, store = manager, manager.counters, manager.store
+    disk = m.host.disk
     checkpoint_bytes = disk.checkpoint_bytes() if disk is not None else 0
     disk_bytes = disk.nbytes() if disk is not None else 0
     return OffloadStats(
         num_blocks=m.num_blocks,
         resident_blocks=len(schedule.resident_blocks),
         streamed_blocks=len(schedule.streamed_blocks),
-        forwards=m._forwards,
-        bytes_copied=m._bytes_copied,
-        copies_issued=m._copies_issued,
-        demand_copies=m._demand_copies,
-        bytes_copied_last_forward=m._last_forward_bytes,
-        copies_last_forward=m._last_forward_copies,
-        materialized_blocks=sum(m._materialized),
-        peak_materialized_blocks=m._peak_materialized,
-        resident_bytes=sum(b.numel() for b in m._resident_buffers.values()),
+        forwards=counts.forwards,
+        bytes_copied=counts.bytes_copied,
+        copies_issued=counts.copies_issued,
+        demand_copies=counts.demand_copies,
+        bytes_copied_last_forward=counts.last_forward_bytes,
+        copies_last_forward=counts.last_forward_copies,
+        materialized_blocks=len(m.materialized_blocks()),
+        peak_materialized_blocks=counts.peak_materialized,
+        resident_bytes=m.device_memory.resident_bytes(),
         device_bytes=m.device_bytes(),
-        peak_device_bytes=m._peak_device_bytes,
+        peak_device_bytes=counts.peak_device_bytes,
         planned_device_bytes=m.planned_device_bytes(schedule),
-        host_bytes=m.store.nbytes() - (disk_bytes - checkpoint_bytes) if m.store is not None else 0,
-        pinned_host_bytes=m.store.pinned_nbytes() if m.store is not None else 0,
-        host_bytes_requested=m.store.ledger.bytes_requested if m.store is not None else 0,
-        host_bytes_pinned=m.store.ledger.bytes_pinned if m.store is not None else 0,
+        host_bytes=store.nbytes() - (disk_bytes - checkpoint_bytes) if store is not None else 0,
+        pinned_host_bytes=store.pinned_nbytes() if store is not None else 0,
+        host_bytes_requested=store.ledger.bytes_requested if store is not None else 0,
+        host_bytes_pinned=store.ledger.bytes_pinned if store is not None else 0,
         copy_seconds=m.backend.copy_seconds,
         stall_seconds=m.backend.stall_seconds,
         disk_blocks=len(disk.regions) if disk is not None else 0,
@@ -84,23 +118,3 @@ def snapshot(manager, schedule) -> OffloadStats:
         staging_bytes=disk.ring_bytes if disk is not None else 0,
         disk_checkpoint_blocks=len(disk.extents) if disk is not None else 0,
     )
-
-
-class CountersMixin:
-    """The copy and peak counters of :class:`LayerwiseOffloadManager` that :func:`snapshot` reads."""
-
-    def _count_copy(self, index: int, nbytes: int) -> None:
-        self._bytes_copied += nbytes
-        self._copies_issued += 1
-        self._forward_bytes += nbytes
-        self._forward_copies += 1
-        self.copies_per_block[index] += 1
-
-    def reset_peaks(self) -> None:
-        """Start the peak counters (materialized blocks, device bytes) again from what is held now."""
-        self._peak_materialized = sum(self._materialized)
-        self._peak_device_bytes = self.device_bytes()
-
-    def _note_peaks(self) -> None:
-        self._peak_materialized = max(self._peak_materialized, sum(self._materialized))
-        self._peak_device_bytes = max(self._peak_device_bytes, self.device_bytes())

@@ -40,7 +40,7 @@ def test_factors_are_uploaded_once_and_comfyuis_patches_stay(monkeypatch):
     want = tiny_dits.sample(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0])
     assert torch.equal(tiny_dits.sample(patcher), want)  # the same bits as ComfyUI's full load with the LoRA
     controller = patcher.attachments["layerwise_offload"]
-    transform = controller.manager.after_copy
+    transform = controller.manager.copier.transform
     assert isinstance(transform, DeviceLora) and transform.plan
     originals = [t for entries in transform.plan.values() for _, _, patches in entries
                  for p in patches for t in tensors_of(p[1])]

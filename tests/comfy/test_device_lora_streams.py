@@ -67,7 +67,7 @@ def test_the_lora_is_queued_on_the_copy_stream_with_no_host_sync(monkeypatch):
     want = tiny_dits.sample(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0])
     assert torch.equal(tiny_dits.sample(patcher), want)  # arms and installs the hooks
     controller = patcher.attachments["layerwise_offload"]
-    manager, transform = controller.manager, controller.manager.after_copy
+    manager, transform = controller.manager, controller.manager.copier.transform
     assert isinstance(transform, DeviceLora)
     with monkeypatch.context() as upload:  # the factors in memory of their own, as on a GPU
         upload.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: self.clone())

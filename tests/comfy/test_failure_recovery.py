@@ -97,7 +97,7 @@ def inject_during_copy(offloaded, source):
 def inject_during_device_lora(offloaded, source):
     manager = manager_of(offloaded)
     tick, calls = fail_once_at(3)
-    transform = manager.after_copy
+    transform = manager.copier.transform
     assert transform is not None, "the device-side LoRA must be active for this stage"
 
     class Failing:
@@ -106,11 +106,11 @@ def inject_during_device_lora(offloaded, source):
         def __call__(self, index, weights):
             tick()
             return transform(index, weights)
-    manager._after_copy = Failing()
+    manager.copier.transform = Failing()
 
     class Undo:
         def remove(self):
-            manager._after_copy = transform
+            manager.copier.transform = transform
     return Undo()
 
 

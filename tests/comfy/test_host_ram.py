@@ -45,8 +45,8 @@ def test_our_pinned_bytes_count_in_comfyuis_pinned_total(monkeypatch):
     model = tiny_dits.build_tiny("wan21")
     blocks = list(model.get_model_object("diffusion_model").blocks)
     manager = LayerwiseOffloadManager(blocks, "cpu", pin_memory=True, resident_layers=1)
-    manager.pinner = ComfyUIPinner()
-    manager.available_host_bytes = lambda: 2**40
+    manager.host.pinner = ComfyUIPinner()
+    manager.host.available_host_bytes = lambda: 2**40
     manager.prepare()
     streamed = sum(manager.block_nbytes()[1:])
     assert mm.TOTAL_PINNED_MEMORY - before == streamed == sum(cudart.live.values())
@@ -67,7 +67,7 @@ def test_comfyuis_ram_cache_sees_the_host_store():
 
 
 def _available(monkeypatch, nbytes):
-    monkeypatch.setattr("layerwise_offload.offload.manager.available_host_bytes", lambda: nbytes)
+    monkeypatch.setattr("layerwise_offload.offload.manager.host.available_host_bytes", lambda: nbytes)
 
 
 def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
@@ -104,7 +104,7 @@ def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
     offloaded = offload_model(model, 2, 1, "strided", True, "disk")
     assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want)
     controller = controller_of(offloaded)
-    assert controller.manager.host_tiers() == ["disk"] * len(blocks)
+    assert controller.manager.host.tiers() == ["disk"] * len(blocks)
     tiers = block_tiers(controller.manager)  # what the Stats node's block map draws
     assert (tiers.count("R"), tiers.count("D"), tiers.count("S")) == (2, len(blocks) - 2, 0)
     figures = controller.last_report.figures()  # the run line and the stats text
@@ -179,6 +179,6 @@ def test_force_patch_weights_bakes_the_lora_into_what_comfyui_reads():
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key}: not ComfyUI's patched weight"
-    assert controller_of(offloaded).manager.after_copy is None
+    assert controller_of(offloaded).manager.copier.transform is None
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), want_out)
-    assert controller_of(offloaded).manager.after_copy is not None
+    assert controller_of(offloaded).manager.copier.transform is not None

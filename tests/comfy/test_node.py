@@ -82,16 +82,16 @@ def test_residents_survive_prompts_and_go_with_unload_all_models():
     manager = manager_of(model)
     tiny_dits.sample(model, seed=3)
     assert manager.materialized_blocks()[:2] == [0, 1]
-    copies_after_first = list(manager.copies_per_block)
+    copies_after_first = list(manager.counters.copies_per_block)
     assert torch.equal(tiny_dits.sample(model, seed=3), baseline("wan21"))
-    assert manager.copies_per_block[:2] == copies_after_first[:2]  # residents never copied again
-    assert manager.copies_per_block[2] > copies_after_first[2]
+    assert manager.counters.copies_per_block[:2] == copies_after_first[:2]  # residents never copied again
+    assert manager.counters.copies_per_block[2] > copies_after_first[2]
     assert manager.prepare() == []  # ComfyUI moved no block weight behind the manager's back
     assert manager.device_bytes() > 0
     mm.unload_all_models()
     assert manager.device_bytes() == 0
     assert manager.materialized_blocks() == []
-    assert not manager.hooks_installed
+    assert not manager.hooks.installed
     assert torch.equal(tiny_dits.sample(model, seed=3), baseline("wan21"))
 
 

@@ -86,7 +86,7 @@ def test_gguf_offloaded_equals_comfyui_gguf(gguf, qtype, host_store, monkeypatch
         for resident, policy in ((0, "leading"), (2, "strided")):
             offloaded = offload_model(with_lora(model) if lora else model, resident, 1, policy, True, host_store)
             assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), expected), (lora, resident)
-            assert offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager.host_tiers() == (
+            assert offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager.host.tiers() == (
                 [host_store] * NUM_BLOCKS)
             assert weight_kinds(offloaded) == {("GGMLTensor", qtype)}
             manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager

@@ -108,7 +108,7 @@ def test_block_map_shows_blocks_on_disk(tmp_path):
     blocks = [nn.Linear(8, 8) for _ in range(5)]
     manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=2, prefetch_size=1, policy="strided",
                                       host_store="disk")
-    manager.disk_folder = str(tmp_path)
+    manager.host.disk_folder = str(tmp_path)
     manager.prepare()
     manager.arm()
     resident = set(manager.schedule.resident_blocks)

@@ -28,7 +28,7 @@ def x():
 
 
 def out_of_memory_on(call_number, manager):
-    allocate = manager._allocate_device
+    allocate = manager.device_memory.allocate
     calls = 0
 
     def failing(nbytes):
@@ -47,13 +47,13 @@ def test_out_of_memory_while_arming_leaves_a_usable_manager(x, failing_allocatio
     model = ToyTransformer()
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2,
                                       prefetch_size=1)
-    manager._allocate_device = out_of_memory_on(failing_allocation, manager)
+    manager.device_memory.allocate = out_of_memory_on(failing_allocation, manager)
     with torch.no_grad(), pytest.raises(torch.OutOfMemoryError):
         model(x)
     assert not manager.armed
     assert manager.device_bytes() == 0 and not manager.materialized_blocks()
-    assert manager.hooks_installed
-    del manager._allocate_device  # the memory is back
+    assert manager.hooks.installed
+    del manager.device_memory.allocate  # the memory is back
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(x), want)
@@ -102,7 +102,7 @@ def test_the_compute_stream_does_not_wait_for_the_next_forwards_prefetch(x, resi
             prefetched = [i for i in manager.materialized_blocks() if not manager.schedule.resident[i]]
             assert prefetched
             for index in prefetched:
-                slot = manager._slots[manager._block_slot[index]]
+                slot = manager.device_memory.slots[manager.device_memory.block_slot[index]]
                 start = slot.data_ptr()
                 writer = [w for w in backend.writes if fakes.overlaps((w[0], w[1]), (start, start + slot.numel()))][-1]
                 assert not fakes.happens_before(writer[3], fake.compute.clock), (

@@ -39,7 +39,7 @@ def streamed_bytes(manager, order, prefetch):
 @pytest.mark.parametrize("resident", [0, 2])
 def test_an_interleaved_order_makes_no_demand_copies_after_the_first_forward(resident, prefetch):
     manager, per_forward = run(VACE_LIKE, resident, prefetch, forwards=4)
-    assert manager.learned_call_order == tuple(VACE_LIKE)
+    assert manager.calls.learned_calls == tuple(VACE_LIKE)
     for demand, moved in per_forward[2:]:
         assert demand == 0
         assert moved == streamed_bytes(manager, VACE_LIKE, prefetch)
@@ -80,7 +80,7 @@ def test_a_changed_order_is_learned_again():
             for _ in range(3):
                 demand = manager.stats().demand_copies
                 model(x)
-            assert manager.learned_call_order == tuple(order)
+            assert manager.calls.learned_calls == tuple(order)
             assert manager.stats().demand_copies == demand  # the last forward of each order
     manager.detach()
 
@@ -104,7 +104,7 @@ def test_an_interrupted_forward_is_not_learned():
         with pytest.raises(KeyboardInterrupt), manager.forward_scope():
             model(x)  # ran blocks 0 and 4, then stopped
     handle.remove()
-    assert manager.learned_call_order == tuple(VACE_LIKE)
+    assert manager.calls.learned_calls == tuple(VACE_LIKE)
 
 
 def test_call_order_look_ahead():

@@ -115,8 +115,8 @@ def test_disk_blocks_read_from_the_checkpoint_write_nothing_and_give_the_same_ou
     folder = tmp_path / "cache"
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy, host_store="disk")
-    manager.disk_folder = str(folder)
-    manager.available_host_bytes = lambda: 2**40
+    manager.host.disk_folder = str(folder)
+    manager.host.available_host_bytes = lambda: 2**40
     manager.attach(model)
     read = []
     with torch.no_grad():
@@ -148,12 +148,12 @@ def test_a_converted_block_and_a_baked_one_fall_back_to_the_cache_file(tmp_path,
         want = want_model(sample_input)
     manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=0, prefetch_size=1, host_store="disk",
                                       released_params="host")
-    manager.disk_folder = str(tmp_path / "cache")
-    manager.available_host_bytes = lambda: 2**40
+    manager.host.disk_folder = str(tmp_path / "cache")
+    manager.host.available_host_bytes = lambda: 2**40
     manager.attach(model)
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
-    assert sorted(manager._disk.extents) == [i for i in range(NUM_BLOCKS) if i != 2]
+    assert sorted(manager.host.disk.extents) == [i for i in range(NUM_BLOCKS) if i != 2]
     assert len(cache_files(tmp_path / "cache")) == 1
     # A bake swaps a block's parameters for new tensors (ComfyUI's patch_weight_to_device): that block is
     # repacked, into the cache file.
@@ -164,7 +164,7 @@ def test_a_converted_block_and_a_baked_one_fall_back_to_the_cache_file(tmp_path,
         want_model.blocks_in_call_order()[4].mix.weight.copy_(patched)
         want = want_model(sample_input)
     assert manager.prepare() == [4]
-    assert 4 not in manager._disk.extents and manager._disk.holds(4)
+    assert 4 not in manager.host.disk.extents and manager.host.disk.holds(4)
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
     manager.detach()
@@ -175,16 +175,16 @@ def test_auto_packs_ram_blocks_from_the_mapping_and_reads_the_rest_from_the_file
     model, _ = mapped_toy(toy_file)
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=0, prefetch_size=1,
                                       host_store="auto")
-    manager.disk_folder = str(tmp_path / "cache")
+    manager.host.disk_folder = str(tmp_path / "cache")
     sizes = manager.block_nbytes()
     # Room for three blocks in RAM beyond the margin and the staging ring: mapped weights free no RAM when packed.
-    manager.available_host_bytes = lambda: RAM_MARGIN_BYTES + 3 * max(sizes) + 3 * padded(max(sizes))
+    manager.host.available_host_bytes = lambda: RAM_MARGIN_BYTES + 3 * max(sizes) + 3 * padded(max(sizes))
     manager.attach(model)
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
-    tiers = manager.host_tiers()
+    tiers = manager.host.tiers()
     assert tiers == ["ram"] * 3 + ["disk"] * 4
-    assert sorted(manager._disk.extents) == [i for i, t in enumerate(tiers) if t == "disk"]
+    assert sorted(manager.host.disk.extents) == [i for i, t in enumerate(tiers) if t == "disk"]
     assert all(not is_mapped(manager.store.buffers[i]) for i, t in enumerate(tiers) if t == "ram")
     manager.detach()
 
@@ -202,12 +202,12 @@ def test_a_few_converted_bytes_stay_in_ram_and_the_rest_of_the_block_still_reads
     with torch.no_grad():
         want = want_model(sample_input)
     manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=0, prefetch_size=1, host_store="disk")
-    manager.disk_folder = str(tmp_path / "cache")
-    manager.available_host_bytes = lambda: 2**40
+    manager.host.disk_folder = str(tmp_path / "cache")
+    manager.host.available_host_bytes = lambda: 2**40
     manager.attach(model)
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(sample_input), want)
-    assert sorted(manager._disk.extents) == list(range(NUM_BLOCKS)) and list(manager._disk.kept) == [3]
+    assert sorted(manager.host.disk.extents) == list(range(NUM_BLOCKS)) and list(manager.host.disk.kept) == [3]
     assert not (tmp_path / "cache").exists() or cache_files(tmp_path / "cache") == []
     manager.detach()

@@ -160,21 +160,21 @@ def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="c
         want = model(x)
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy, pin_memory=True, host_store="disk")
-    manager.disk_folder = str(tmp_path)
-    manager.pinner = YesPinner()
-    manager.available_host_bytes = lambda: 2**40
+    manager.host.disk_folder = str(tmp_path)
+    manager.host.pinner = YesPinner()
+    manager.host.available_host_bytes = lambda: 2**40
     module = FakeCudaModule()
     manager.backend = backend = Backend(module)
     manager.attach(model)
     reads = []
     manager.prepare()
-    assert bool(manager._disk.extents) == (source == "checkpoint")
-    instrument(manager._disk, module, reads)
+    assert bool(manager.host.disk.extents) == (source == "checkpoint")
+    instrument(manager.host.disk, module, reads)
     if break_with is not None:
-        break_with(manager._disk)
+        break_with(manager.host.disk)
     with torch.no_grad():
         outputs = [model(x) for _ in range(3)]
-    ring = {s.buffer.data_ptr() for s in manager._disk.ring}
+    ring = {s.buffer.data_ptr() for s in manager.host.disk.ring}
     events = sorted([(r[1]["host"], "read", r) for r in reads] +
                     [(c[1]["host"], "copy", c) for c in backend.copies if c[0] in ring], key=lambda e: e[0])
     last_read, copies_since = {}, {}

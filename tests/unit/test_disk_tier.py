@@ -25,8 +25,8 @@ def reference(x):
 def offloaded(folder, **settings):
     model = ToyTransformer()
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", **settings)
-    manager.disk_folder = str(folder)
-    manager.available_host_bytes = lambda: 2**40
+    manager.host.disk_folder = str(folder)
+    manager.host.available_host_bytes = lambda: 2**40
     return model, manager.attach(model)
 
 
@@ -48,7 +48,7 @@ def test_disk_blocks_give_the_same_output_and_read_their_stored_bytes_once_per_f
             assert torch.equal(model(sample_input), want)
             read.append(manager.stats().disk_bytes_read)
     stats = manager.stats()
-    assert manager.host_tiers() == ["disk"] * NUM_BLOCKS
+    assert manager.host.tiers() == ["disk"] * NUM_BLOCKS
     assert stats.disk_blocks == NUM_BLOCKS and stats.host_bytes == 0
     assert stats.disk_bytes == sum(manager.block_nbytes())
     sizes = manager.block_nbytes()
@@ -72,13 +72,13 @@ def test_released_host_views_of_disk_blocks_are_the_weights_and_writes_never_rea
     model, manager = offloaded(tmp_path, resident_layers=0, host_store="disk", released_params="host")
     with torch.no_grad():
         model(sample_input)
-    manager.remove_hooks()
+    manager.hooks.remove()
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))
         first = manager.blocks[0].mix.weight
-        before = manager._disk.source(0).clone()
+        before = manager.host.disk.source(0).clone()
         first.add_(1.0)
-        assert torch.equal(manager._disk.source(0), before)
+        assert torch.equal(manager.host.disk.source(0), before)
 
 
 def test_auto_keeps_blocks_in_ram_while_they_fit_and_puts_the_latest_on_disk(tmp_path, sample_input):
@@ -89,24 +89,24 @@ def test_auto_keeps_blocks_in_ram_while_they_fit_and_puts_the_latest_on_disk(tmp
     # Packing into RAM frees ComfyUI's copy (net zero here: the toy's weights are sole-owned); one byte short of the
     # margin, the latest blocks go to disk until their bytes pay for the staging ring (prefetch + 2 of the
     # largest disk block) and that byte.
-    manager.available_host_bytes = lambda: RAM_MARGIN_BYTES - 1
+    manager.host.available_host_bytes = lambda: RAM_MARGIN_BYTES - 1
     count = next(k for k in range(1, NUM_BLOCKS) if sum(sizes[-k:]) >= 1 + 3 * padded(max(sizes[-k:])))
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))
-    assert manager.host_tiers() == ["ram"] * (NUM_BLOCKS - count) + ["disk"] * count
+    assert manager.host.tiers() == ["ram"] * (NUM_BLOCKS - count) + ["disk"] * count
     assert manager.stats().disk_bytes == sum(sizes[-count:])
-    manager.available_host_bytes = lambda: 2**40
+    manager.host.available_host_bytes = lambda: 2**40
     manager.replan(host_store="ram")  # another setting: every block back in RAM, the file gone
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))
-    assert manager.host_tiers() == ["ram"] * NUM_BLOCKS and cache_files(tmp_path) == []
+    assert manager.host.tiers() == ["ram"] * NUM_BLOCKS and cache_files(tmp_path) == []
 
 
 def test_call_order_other_than_list_order_reads_what_runs(tmp_path):
     order = [6, 5, 4, 3, 2, 1, 0, 0, 3]
     model, x, want = toy_and_reference(order, 3, 4)
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=1, host_store="disk")
-    manager.disk_folder = str(tmp_path)
+    manager.host.disk_folder = str(tmp_path)
     manager.attach(model)
     with torch.no_grad():
         for _ in range(3):

@@ -81,9 +81,9 @@ def test_after_warmup_residents_copy_zero_times_and_streamed_once(sample_input, 
     with torch.no_grad():
         model(sample_input)  # learns the call order
         model(sample_input)
-        before = list(manager.copies_per_block)
+        before = list(manager.counters.copies_per_block)
         model(sample_input)
-    copies = [after - b for after, b in zip(manager.copies_per_block, before)]
+    copies = [after - b for after, b in zip(manager.counters.copies_per_block, before)]
     resident_blocks = set(manager.schedule.resident_blocks)
     assert len(resident_blocks) == resident
     # Streamed blocks that all fit in the slots at once (no more than prefetch_size) stay there.
@@ -174,7 +174,7 @@ def test_release_all_and_detach_leave_nothing_behind(sample_input):
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference_output(sample_input))
     manager.detach()
-    assert not manager.hooks_installed
+    assert not manager.hooks.installed
     assert manager.store is None and manager.device_bytes() == 0
     for block in model.blocks_in_call_order():
         assert not block._forward_pre_hooks and not block._forward_hooks
@@ -296,7 +296,7 @@ def test_released_blocks_can_point_at_the_host_store(sample_input, resident):
     model, manager = offloaded(resident_layers=resident, released_params="host")
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference_output(sample_input))
-    manager.remove_hooks()
+    manager.hooks.remove()
     # Without hooks the model still runs: streamed blocks read their host copies.
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference_output(sample_input))
@@ -330,10 +330,10 @@ def test_host_store_refuses_to_push_the_host_into_oom(sample_input):
     from layerwise_offload.offload.disk_budget import PACKING_SLACK_BYTES
     model, manager = offloaded(resident_layers=0)
     # Packing frees each block's old copy, but its new buffer exists first: one block (and the slack) must be free.
-    manager.available_host_bytes = lambda: PACKING_SLACK_BYTES + manager.block_nbytes()[0] - 1
+    manager.host.available_host_bytes = lambda: PACKING_SLACK_BYTES + manager.block_nbytes()[0] - 1
     with torch.no_grad(), pytest.raises(MemoryError, match="host memory is short: packing the blocks needs"):
         model(sample_input)
-    manager.available_host_bytes = lambda: None  # unknown: no guard
+    manager.host.available_host_bytes = lambda: None  # unknown: no guard
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference_output(sample_input))
 

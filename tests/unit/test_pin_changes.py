@@ -57,8 +57,8 @@ def setup(resident, monkeypatch):
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=1, pin_memory=True)
     module = fakes.FakeCudaModule()
-    manager.pinner = pinner = LoggingPinner(module)
-    manager.available_host_bytes = lambda: 2**40
+    manager.host.pinner = pinner = LoggingPinner(module)
+    manager.host.available_host_bytes = lambda: 2**40
     manager.backend = backend = SourceBackend(module, pinner)
     backend.full_syncs = []
     sync = backend.copy_stream.synchronize
@@ -68,7 +68,7 @@ def setup(resident, monkeypatch):
         sync()
     backend.copy_stream.synchronize = counted_sync
     backend.phase = "outside"
-    original = manager._sync_pinning
+    original = manager.host.sync_pinning
 
     def phased(*args):
         backend.phase = "sync_pinning"
@@ -76,7 +76,7 @@ def setup(resident, monkeypatch):
             return original(*args)
         finally:
             backend.phase = "outside"
-    monkeypatch.setattr(manager, "_sync_pinning", phased)
+    monkeypatch.setattr(manager.host, "sync_pinning", phased)
     manager.attach(model)
     return model, manager, pinner, backend
 
@@ -128,7 +128,7 @@ def test_a_smaller_pin_cap_while_copies_are_in_flight_waits_only_for_their_event
         model(x)
     streamed = manager.schedule.streamed_blocks
     keep = sorted(streamed, reverse=True)[:2]  # _sync_pinning locks the late blocks first
-    manager.pin_cap_bytes = sum(manager.store.buffers[i].numel() for i in keep)
+    manager.host.pin_cap_bytes = sum(manager.store.buffers[i].numel() for i in keep)
     since = len(pinner.log)
     manager._sync_pinning()
     assert {kind for kind, *_ in pinner.log[since:]} == {"unregister"}
@@ -145,7 +145,7 @@ def test_the_checker_catches_an_unlock_under_a_copy_in_flight(monkeypatch):
     model, manager, pinner, backend = setup(1, monkeypatch)
     with torch.no_grad():
         model(x)
-    manager.pin_cap_bytes = 0
+    manager.host.pin_cap_bytes = 0
     monkeypatch.setattr(backend, "wait_host", lambda handle: None)
     since = len(pinner.log)
     manager._sync_pinning()

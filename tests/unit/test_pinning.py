@@ -61,8 +61,8 @@ def reference(x):
 def pinned_offload(pinner, available=64 * GiB, **settings):
     model = ToyTransformer()
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, pin_memory=True, **settings)
-    manager.pinner = pinner
-    manager.available_host_bytes = lambda: available
+    manager.host.pinner = pinner
+    manager.host.available_host_bytes = lambda: available
     return model, manager
 
 
@@ -127,11 +127,11 @@ def test_short_host_memory_locks_the_trailing_streamed_blocks_that_fit(sample_in
     model = ToyTransformer()
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, pin_memory=True,
                                       resident_layers=1)
-    manager.pinner = pinner
+    manager.host.pinner = pinner
     sizes = manager.block_nbytes()
     streamed = sum(sizes[1:])
     margin = 2 * GiB  # pinnable_bytes keeps at least 2 GiB free
-    manager.available_host_bytes = lambda: margin - (streamed - sizes[-1] - sizes[-2])
+    manager.host.available_host_bytes = lambda: margin - (streamed - sizes[-1] - sizes[-2])
     with caplog.at_level(logging.WARNING, logger="layerwise_offload"), torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(sample_input), reference(sample_input))

@@ -76,9 +76,9 @@ def run(resident, prefetch, monkeypatch, pinner=None, chunk=4096, break_waits=Fa
     model = ToyTransformer()
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, pin_memory=True)
-    manager.pinner = pinner = pinner or RangePinner()
-    manager.available_host_bytes = lambda: 2**40
-    manager.resident_bounce_bytes = chunk  # a toy block spans several chunks: the ring is reused within a block
+    manager.host.pinner = pinner = pinner or RangePinner()
+    manager.host.available_host_bytes = lambda: 2**40
+    manager.copier.bounce_bytes = chunk  # a toy block spans several chunks: the ring is reused within a block
     module = fakes.FakeCudaModule()
     manager.backend = backend = SourceBackend(module, pinner)
     fills = []  # (first byte, last byte, host clock when the host wrote the bounce buffer)
@@ -86,7 +86,7 @@ def run(resident, prefetch, monkeypatch, pinner=None, chunk=4096, break_waits=Fa
 
     def watched_fill(tensor, source, *args, **kwargs):
         begin = tensor.data_ptr()
-        if any(b.data_ptr() <= begin < b.data_ptr() + b.numel() for b in getattr(manager._bounce, "buffers", ())):
+        if any(b.data_ptr() <= begin < b.data_ptr() + b.numel() for b in getattr(manager.copier.bounce, "buffers", ())):
             fills.append((begin, begin + tensor.numel(), dict(module.host.tick())))
         return fill(tensor, source, *args, **kwargs)
     if break_waits:
@@ -111,17 +111,17 @@ def test_residents_are_copied_from_page_locked_memory_in_order(monkeypatch, resi
     resident_bytes = sum(manager.store.layouts[i].nbytes for i in residents)
     assert fills and sum(end - begin for begin, end, _ in fills) == resident_bytes  # every resident byte, once
     assert all(locked for _, _, locked, _, _ in backend.sources), "a copy read pageable host memory"
-    assert manager._bounce is None  # the ring is unlocked once its copies are done
+    assert manager.copier.bounce is None  # the ring is unlocked once its copies are done
     streamed = [manager.store.buffers[i] for i in manager.schedule.streamed_blocks]
-    assert sorted(manager.pinner.ranges) == sorted(b.data_ptr() for b in streamed)  # residents stay pageable
+    assert sorted(manager.host.pinner.ranges) == sorted(b.data_ptr() for b in streamed)  # residents stay pageable
     manager.detach()
-    assert not manager.pinner.ranges
+    assert not manager.host.pinner.ranges
 
 
 def test_a_refused_bounce_ring_falls_back_to_pageable_copies(monkeypatch):
     """The pinner grants the streamed blocks and nothing more: the residents copy from pageable memory, correctly."""
     manager, backend, fills = run(2, 1, monkeypatch, pinner=RangePinner(refuse_after=5))
-    assert not fills and manager._bounce is None
+    assert not fills and manager.copier.bounce is None
     residents = {manager.store.buffers[i].data_ptr() for i in manager.schedule.resident_blocks}
     assert {begin for begin, _, locked, _, _ in backend.sources if not locked} == residents
     manager.detach()

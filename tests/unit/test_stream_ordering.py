@@ -156,10 +156,10 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
     model.order = order
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy, pin_memory=pinning != "pageable")
-    manager.pinner = PINNING[pinning]
-    if manager.pinner is not None:
-        manager.pinner.count = 0
-    manager.available_host_bytes = lambda: 2**40
+    manager.host.pinner = PINNING[pinning]
+    if manager.host.pinner is not None:
+        manager.host.pinner.count = 0
+    manager.host.available_host_bytes = lambda: 2**40
     fake = FakeCudaModule()
     manager.backend = backend = (backend_class or RecordingBackend)(fake)
     if transform:
@@ -217,18 +217,18 @@ def track_issuing_hook(manager, backend):
             finally:
                 backend.issuing = None
         setattr(manager, name, wrapped)
-    original_copy, copy_in = backend.copy, manager._copy_in
+    original_copy, copy_in = backend.copy, manager.copier.copy
 
-    def copying(index, *args):
+    def copying(backend_, index, *args, **kwargs):
         backend.copying = index
-        return copy_in(index, *args)
-    manager._copy_in = copying
+        return copy_in(backend_, index, *args, **kwargs)
+    manager.copier.copy = copying
 
     def copy(dst, src, after=None, then=None):
         host_block.update({manager.store.buffers[i].data_ptr(): i for i in range(manager.num_blocks)})
         block = host_block.get(src.data_ptr())
         if block is None:  # a resident's chunk, from the page-locked bounce ring (resident_staging.py)
-            bounce = [b.data_ptr() for b in manager._bounce.buffers]
+            bounce = [b.data_ptr() for b in manager.copier.bounce.buffers]
             assert src.data_ptr() in bounce, "a copy from neither the store nor the bounce ring"
             backend.issued.append((backend.copying, *backend.issuing, True))
         else:

@@ -1,0 +1,60 @@
+"""Copying one block's host bytes into its device buffer, with an optional transform of the copy.
+
+The transform (a LoRA applied on the device, say) lets the host store keep what the caller wants kept in RAM
+(the unpatched weights) while the device copy is what the model computes with. It runs every time a block is
+copied in: once for a resident when the plan is armed, at every copy for a streamed block. It is queued on the
+copy stream right after the copy and before the copy's completion event, so the compute stream's wait for that
+event covers it, and the next copy into the same slot waits for the compute stream as before.
+
+A resident whose host copy is pageable goes through a small page-locked bounce ring (resident_staging.py).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .resident_staging import PinnedBounce, bounce_for
+
+# transform(block index, the block's weights on the device in ``BlockLayout.weights`` order); in place.
+BlockTransform = Callable[[int, Sequence[torch.Tensor]], None]
+
+
+class BlockCopier:
+    """The copies of one manager: the transform after each, and the bounce ring residents are copied through."""
+
+    def __init__(self):
+        self.transform: Optional[BlockTransform] = None
+        self.bounce: Optional[PinnedBounce] = None  # page-locked ring for the residents' copies while arming
+        self._bounce_refused = False  # the pinner refused it this arming: the residents copy from pageable memory
+        self.bounce_bytes: Optional[int] = None  # the ring's chunk size (None: resident_staging.CHUNK_BYTES)
+
+    def copy(self, backend, index: int, device_buffer: torch.Tensor, host_buffer: torch.Tensor, after,
+             device_weights: Sequence[torch.Tensor], bounce_pinner=None):
+        """Queue the copy of block ``index`` after the compute mark ``after``, then the transform; returns the
+        handle of its completion. ``bounce_pinner``: copy through a bounce ring page-locked by it (if it can)."""
+        transform = self.transform
+        then = None
+        if transform is not None:
+            def then():
+                with torch.no_grad():
+                    transform(index, device_weights)
+        bounce = self._bounce(bounce_pinner) if bounce_pinner is not None else None
+        if bounce is not None:  # the host reads the host buffer itself, synchronously
+            return bounce.copy(backend, device_buffer, host_buffer, after=after, then=then)
+        return backend.copy(device_buffer, host_buffer, after=after, then=then)
+
+    def _bounce(self, pinner) -> Optional[PinnedBounce]:
+        if self.bounce is None and not self._bounce_refused:
+            self.bounce = bounce_for(pinner, self.bounce_bytes)
+            self._bounce_refused = self.bounce is None
+        return self.bounce
+
+    def retire_bounce(self, wait: bool = False) -> None:
+        """Free the bounce ring once its copies are done (``wait``: wait for them); the next arming may ask again."""
+        if self.bounce is not None and (wait or self.bounce.idle()):
+            self.bounce.close()
+            self.bounce = None
+        if wait:
+            self._bounce_refused = False

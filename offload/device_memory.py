@@ -1,0 +1,80 @@
+"""The plan's device memory: one buffer per resident block, and a ring of slots the streamed blocks share.
+
+Each slot remembers which block it holds and the compute-stream mark after which it may be written again
+(the last compute that read its previous block). Everything is uint8; blocks view typed tensors into it.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import torch
+
+
+class DeviceMemory:
+    """Device buffers of one manager; ``inference`` makes them inference tensors (to match the parameters)."""
+
+    def __init__(self, device: torch.device, num_blocks: int):
+        self.device = device
+        self.num_blocks = num_blocks
+        self.inference = False
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget every buffer (the memory returns once no view of it is left)."""
+        self.residents: Dict[int, torch.Tensor] = {}
+        self.slots: List[torch.Tensor] = []
+        self.slot_owner: List[Optional[int]] = []
+        self.slot_free: List[object] = []  # per slot: the compute mark its next copy waits for
+        self.block_slot: List[Optional[int]] = [None] * self.num_blocks
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        with torch.inference_mode(self.inference):
+            return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def hold(self, residents: Iterable[Tuple[int, int]], slot_count: int, slot_bytes: int, free_after) -> None:
+        """Allocate the residents' buffers ((block, bytes) pairs) and the slots; all of it before any is kept,
+        so out of memory leaves nothing held. ``free_after``: the compute mark the first copies wait for."""
+        residents = {index: self.allocate(nbytes) for index, nbytes in residents}
+        slots = [self.allocate(slot_bytes) for _ in range(slot_count)]
+        self.residents, self.slots = residents, slots
+        self.slot_owner = [None] * slot_count
+        self.slot_free = [free_after] * slot_count
+
+    def resident(self, index: int, nbytes: int) -> Tuple[torch.Tensor, bool]:
+        """Block ``index``'s resident buffer, and whether it is new (a forced release gave the old one back)."""
+        buffer = self.residents.get(index)
+        if buffer is not None:
+            return buffer, False
+        buffer = self.residents[index] = self.allocate(nbytes)
+        return buffer, True
+
+    def drop_resident(self, index: int) -> bool:
+        return self.residents.pop(index, None) is not None
+
+    def free_slot(self) -> Optional[int]:
+        return next((slot for slot, owner in enumerate(self.slot_owner) if owner is None), None)
+
+    def owners(self) -> List[Tuple[int, int]]:
+        """(slot, block) for every slot holding a block."""
+        return [(slot, owner) for slot, owner in enumerate(self.slot_owner) if owner is not None]
+
+    def take(self, slot: int, index: int) -> Tuple[torch.Tensor, object]:
+        """Give ``slot`` to block ``index``: (the slot's buffer, the compute mark its copy waits for)."""
+        self.slot_owner[slot] = index
+        self.block_slot[index] = slot
+        return self.slots[slot], self.slot_free[slot]
+
+    def give_back(self, index: int, mark) -> None:
+        """Block ``index`` leaves its slot (if it has one); the slot's next copy waits for compute as of now."""
+        slot = self.block_slot[index]
+        if slot is not None:
+            self.slot_owner[slot] = None
+            self.slot_free[slot] = mark()
+            self.block_slot[index] = None
+
+    def resident_bytes(self) -> int:
+        return sum(b.numel() for b in self.residents.values())
+
+    def nbytes(self) -> int:
+        return self.resident_bytes() + sum(b.numel() for b in self.slots)
