@@ -315,7 +315,7 @@ class OffloadController:
         self.manager.attach()  # once per model (offload/hooks.py: re-adding them would recompile every forward)
         self.manager.hooks.active = True
         try:
-            with self.manager.forward_scope():
+            with self.manager.hooks.forward_scope():
                 yield
         finally:
             self.manager.hooks.active = False

@@ -6,7 +6,7 @@ Each slot remembers which block it holds and the compute-stream mark after which
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -32,14 +32,17 @@ class DeviceMemory:
         with torch.inference_mode(self.inference):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def hold(self, residents: Iterable[Tuple[int, int]], slot_count: int, slot_bytes: int, free_after) -> None:
+    def hold(self, residents: Iterable[Tuple[int, int]], slot_count: int, slot_bytes: int, mark) -> object:
         """Allocate the residents' buffers ((block, bytes) pairs) and the slots; all of it before any is kept,
-        so out of memory leaves nothing held. ``free_after``: the compute mark the first copies wait for."""
+        so out of memory leaves nothing held. Fresh memory may have been freed by tensors that queued compute
+        work still reads: returns ``mark()`` taken once all is allocated, which the first copies wait for."""
         residents = {index: self.allocate(nbytes) for index, nbytes in residents}
         slots = [self.allocate(slot_bytes) for _ in range(slot_count)]
         self.residents, self.slots = residents, slots
+        allocated = mark()
         self.slot_owner = [None] * slot_count
-        self.slot_free = [free_after] * slot_count
+        self.slot_free = [allocated] * slot_count
+        return allocated
 
     def resident(self, index: int, nbytes: int) -> Tuple[torch.Tensor, bool]:
         """Block ``index``'s resident buffer, and whether it is new (a forced release gave the old one back)."""
@@ -52,12 +55,22 @@ class DeviceMemory:
     def drop_resident(self, index: int) -> bool:
         return self.residents.pop(index, None) is not None
 
-    def free_slot(self) -> Optional[int]:
-        return next((slot for slot, owner in enumerate(self.slot_owner) if owner is None), None)
-
-    def owners(self) -> List[Tuple[int, int]]:
-        """(slot, block) for every slot holding a block."""
-        return [(slot, owner) for slot, owner in enumerate(self.slot_owner) if owner is not None]
+    def acquire(self, protect: Set[int], evict_protected: bool, running: Sequence[int],
+                release: Callable[[int], None]) -> Optional[int]:
+        """A slot for a block about to be copied in: a free one, else one whose block nobody is running
+        (``running[block]`` is 0), given back with ``release(block)``. A block in ``protect`` (the plan expects it
+        next) is evicted only with ``evict_protected``, when a block needs a slot right now; None: no slot."""
+        free = next((slot for slot, owner in enumerate(self.slot_owner) if owner is None), None)
+        if free is not None:
+            return free
+        # First a block the plan no longer expects (a skipped or out-of-order block), then an expected one.
+        for allow_protected in ((False, True) if evict_protected else (False,)):
+            for slot, owner in enumerate(self.slot_owner):
+                if running[owner] or (owner in protect and not allow_protected):
+                    continue
+                release(owner)
+                return slot
+        return None
 
     def take(self, slot: int, index: int) -> Tuple[torch.Tensor, object]:
         """Give ``slot`` to block ``index``: (the slot's buffer, the compute mark its copy waits for)."""

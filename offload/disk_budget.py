@@ -24,7 +24,7 @@ from .checkpoint_file import is_mapped
 from .config import HOST_STORES
 
 __all__ = ["HOST_STORES", "PACKING_SLACK_BYTES", "RAM_MARGIN_BYTES", "TierPlan", "freed_by_packing",
-           "plan_host_tiers"]
+           "plan_host_tiers", "refusal"]
 
 
 # Allocator rounding, Python objects, the packing loop's own temporaries: what packing may take beyond its bytes.
@@ -158,3 +158,20 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     reason = (f"host RAM: {available / 2**20:.0f} MiB available, {margin / 2**20:.0f} MiB kept free; "
               f"{free_after / 2**20:.0f} MiB left with {best.disk_blocks} blocks on disk")
     return TierPlan(best.disk, best.peak_bytes, best.growth_bytes, best.ring_bytes, available, margin, reason)
+
+
+def refusal(plan: TierPlan, settings: str, ring_blocks: int, num_blocks: int) -> str:
+    """The message refusing a packing ``plan`` that does not fit, with what helps (``settings``: the caller's
+    settings as the user named them; ``ring_blocks``: the staging ring's size in blocks)."""
+    mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
+    head = (f"[layerwise-offload] host memory is short: packing the blocks needs {mib(plan.peak_bytes)} more "
+            f"at its peak (ComfyUI's copy of each block is freed as it is packed) but only "
+            f"{mib(plan.available_bytes)} is available ({settings}).")
+    if plan.disk_blocks < num_blocks:
+        return (f"{head} Every block is kept in host RAM whatever resident_layers is, so raising it does not help. "
+                f"What helps: host_store = disk (the blocks' host copies live in a cache file on disk, RAM holds "
+                f"a staging ring of {ring_blocks} blocks), unload other models (or restart "
+                f"ComfyUI), a smaller checkpoint or an fp8/GGUF one, pin_memory off, or more RAM.")
+    return (f"{head} Even with every block on disk the staging ring ({mib(plan.ring_bytes)}) does not fit. "
+            f"What helps: prefetch_size 1, unload other models (or restart ComfyUI), an fp8/GGUF checkpoint, "
+            f"or more RAM.")

@@ -1,9 +1,8 @@
-"""Where a block's host bytes live: in RAM (the host store's buffer) or on disk (the tier's cache file).
+"""The disk tier: host copies of the blocks that live on disk instead of RAM (host_side.py holds both tiers).
 
-The manager asks one question before each host-to-device copy, :meth:`DiskTier.source`: which host tensor to
-copy block ``i`` from. A RAM block answers with its host-store buffer. A disk block answers with a staging
-buffer its bytes were read into: reads are issued ahead of use (:meth:`read_ahead`, the blocks the model runs
-next) by a few reader threads into a small ring of page-aligned staging buffers (page-locked on a GPU), and
+Before each host-to-device copy of one of its blocks the host side asks :meth:`DiskTier.source`: the staging
+buffer the block's bytes were read into. Reads are issued ahead of use (:meth:`read_ahead`, the blocks the model
+runs next) by a few reader threads into a small ring of page-aligned staging buffers (page-locked on a GPU), and
 ``source`` waits for the read (the time waited is the disk's stall). A disk block's bytes come from one of two
 sources: a region of the tier's cache file (written once at packing, read back with O_DIRECT), or, where every
 weight of the block is byte for byte a tensor of the safetensors checkpoint (:mod:`.checkpoint_file`), the

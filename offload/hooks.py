@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import List, Optional, Sequence
 
 import torch
@@ -35,7 +36,8 @@ class BlockHooks:
     The hooks are installed once and stay; ``active`` switches what they do. Adding and removing hooks
     around every forward would change the modules' hook dicts, which torch.compile guards on: every
     forward would recompile. The check runs inside compiler-disabled calls, so it adds no guard either.
-    ``driver`` has ``before_block(i)``, ``after_block(i)``, ``begin_forward()``, ``end_forward(completed)``.
+    ``driver`` has ``before_block(i)``, ``after_block(i)``, ``begin_forward()``, ``end_forward(completed)`` and
+    ``release_all()``.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], driver):
@@ -66,6 +68,21 @@ class BlockHooks:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    @contextmanager
+    def forward_scope(self):
+        """Count one model forward where no root module's hooks do (what happens inside is that forward)."""
+        driver = self._driver
+        driver.begin_forward()
+        try:
+            yield driver
+        except BaseException:
+            driver.end_forward(completed=False)
+            # The failure may have come between two steps of the bookkeeping (a copy issued, its slot not yet
+            # recorded): the next forward starts from nothing rather than from what this one left.
+            driver.release_all()
+            raise
+        driver.end_forward()
 
     def _make_pre_hook(self, index: int):
         def pre_hook(module, args):

@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
 from .checkpoint_file import drop_cached_pages, locate
-from .disk_budget import PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers
+from .disk_budget import (PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers,
+                          refusal)
 from .disk_file import padded
 from .disk_tier import DiskTier
 from .host_memory import available_host_bytes, pinnable_bytes
@@ -25,6 +26,27 @@ DISK_DIR_ENV = "LAYERWISE_OFFLOAD_DISK_DIR"
 def default_disk_folder() -> str:
     """Where the disk tier writes when nobody chose: $LAYERWISE_OFFLOAD_DISK_DIR, else the system temp folder."""
     return os.environ.get(DISK_DIR_ENV) or os.path.join(tempfile.gettempdir(), "layerwise-offload")
+
+
+@runtime_checkable
+class HostTier(Protocol):
+    """Where some blocks' host copies live (:class:`RamTier`, :class:`~.disk_tier.DiskTier`), as a copy sees it."""
+
+    def holds(self, index: int) -> bool:
+        """Whether block ``index``'s host copy is here."""
+
+    def read_ahead(self, indices: Sequence[int]) -> None:
+        """Start bringing the bytes of ``indices`` (the blocks copied next, in order) into staging buffers."""
+
+    def source(self, index: int, protect: Sequence[int] = ()) -> torch.Tensor:
+        """Block ``index``'s bytes, in full (waits for its read): the host tensor its copy reads. Staging taken
+        for it never drops a read of ``protect``."""
+
+    def copied(self, index: int, handle) -> None:
+        """The copy from :meth:`source` is queued; ``handle`` tells when it no longer reads that tensor."""
+
+    def pageable(self, index: int) -> bool:
+        """Whether that tensor is pageable (not page-locked) memory."""
 
 
 class RamTier:
@@ -98,7 +120,7 @@ class HostSide:
         return self.config.prefetch_size + 2  # the copies in flight, plus reads ahead of them
 
     # ----------------------------------------------------------------- the copy's source
-    def tier(self, index: int):
+    def tier(self, index: int) -> HostTier:
         """The tier holding block ``index``'s host copy."""
         disk = self.disk
         return disk if disk is not None and disk.holds(index) else self.ram
@@ -333,18 +355,7 @@ class HostSide:
         config = self.config
         settings = settings or (f"resident_layers={config.resident_layers}, prefetch_size={config.prefetch_size}, "
                                 f"pin_memory={self.pin_memory}, host_store={config.host_store}")
-        mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
-        head = (f"[layerwise-offload] host memory is short: packing the blocks needs {mib(plan.peak_bytes)} more "
-                f"at its peak (ComfyUI's copy of each block is freed as it is packed) but only "
-                f"{mib(plan.available_bytes)} is available ({settings}).")
-        if plan.disk_blocks < len(self.blocks):
-            return (f"{head} Every block is kept in host RAM whatever resident_layers is, so raising it does not help. "
-                    f"What helps: host_store = disk (the blocks' host copies live in a cache file on disk, RAM holds "
-                    f"a staging ring of {config.prefetch_size + 2} blocks), unload other models (or restart "
-                    f"ComfyUI), a smaller checkpoint or an fp8/GGUF one, pin_memory off, or more RAM.")
-        return (f"{head} Even with every block on disk the staging ring ({mib(plan.ring_bytes)}) does not fit. "
-                f"What helps: prefetch_size 1, unload other models (or restart ComfyUI), an fp8/GGUF checkpoint, "
-                f"or more RAM.")
+        return refusal(plan, settings, self.ring_size, len(self.blocks))
 
 
 # A block is read from the checkpoint when at most this share of its bytes is not the file's (a converted scale

@@ -9,7 +9,6 @@ streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copie
 from __future__ import annotations
 
 import dataclasses
-from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -24,7 +23,7 @@ from .device_backend import make_backend, normalize_device
 from .device_memory import DeviceMemory
 from .hooks import BlockHooks
 from .host_side import HostSide
-from .host_store import HostStore, block_parameters, params_are_inference, plan_layout
+from .host_store import HostStore, params_are_inference, plan_layout
 from .schedule import Schedule, choose_resident_blocks
 from .stats import Counters, OffloadStats, snapshot
 
@@ -130,20 +129,6 @@ class LayerwiseOffloadManager:
         self.hooks.attach(root)
         return self
 
-    @contextmanager
-    def forward_scope(self):
-        """Count one model forward: per-forward counters cover what happens inside."""
-        self.begin_forward()
-        try:
-            yield self
-        except BaseException:
-            self.end_forward(completed=False)
-            # The failure may have come between two steps of the bookkeeping (a copy issued, its slot not yet
-            # recorded): the next forward starts from nothing rather than from what this one left.
-            self.release_all()
-            raise
-        self.end_forward()
-
     @_compiler_disable
     def begin_forward(self) -> None:
         self.counters.begin_forward()
@@ -244,13 +229,10 @@ class LayerwiseOffloadManager:
         slot_bytes = max((sizes[i] for i in streamed), default=0)
         move_block_buffers(self.blocks, self.device)
         self._sync_pinning(schedule)
-        # Fresh memory may have been freed by tensors that queued compute work still reads: the first
-        # copy into each buffer waits for the compute stream as it is now (marked once all is allocated).
         memory = self.device_memory
         memory.inference = self.inference_tensors
-        memory.hold([(i, sizes[i]) for i in schedule.resident_blocks], slot_count, slot_bytes, None)
-        allocated = self.backend.mark_compute()
-        memory.slot_free = [allocated] * slot_count
+        allocated = memory.hold([(i, sizes[i]) for i in schedule.resident_blocks], slot_count, slot_bytes,
+                                self.backend.mark_compute)
         self.schedule = schedule
         self.calls.set_plan(schedule.resident)
         for index in schedule.resident_blocks:
@@ -273,7 +255,7 @@ class LayerwiseOffloadManager:
                 after = self.backend.mark_compute()
             key = ("resident", index)
         else:
-            slot = self._acquire_slot(set(protect), evict_protected=not may_fail)
+            slot = memory.acquire(set(protect), not may_fail, self._running, self._release)
             if slot is None:
                 if may_fail:
                     return False
@@ -298,21 +280,6 @@ class LayerwiseOffloadManager:
         self.counters.count_copy(index, layout.nbytes)
         self._note_peaks()
         return True
-
-    def _acquire_slot(self, protect: set, evict_protected: bool) -> Optional[int]:
-        free = self.device_memory.free_slot()
-        if free is not None:
-            return free
-        # Evict a block nobody is running: first one the plan no longer expects (a skipped or
-        # out-of-order block), then an expected one, but only when a block needs a slot right now.
-        passes = (False, True) if evict_protected else (False,)
-        for allow_protected in passes:
-            for slot, owner in self.device_memory.owners():
-                if self._running[owner] or (owner in protect and not allow_protected):
-                    continue
-                self._release(owner)
-                return slot
-        return None
 
     def _point_at(self, index: int, views: Sequence[torch.Tensor]) -> None:
         self.params.point_at(index, self.store.layouts[index], views)

@@ -67,7 +67,7 @@ def test_comfyuis_ram_cache_sees_the_host_store():
 
 
 def _available(monkeypatch, nbytes):
-    monkeypatch.setattr("layerwise_offload.offload.manager.host.available_host_bytes", lambda: nbytes)
+    monkeypatch.setattr("layerwise_offload.offload.host_side.available_host_bytes", lambda: nbytes)
 
 
 def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):

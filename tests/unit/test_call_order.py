@@ -99,9 +99,9 @@ def test_an_interrupted_forward_is_not_learned():
             raise KeyboardInterrupt
     handle = model.blocks_in_call_order()[1].register_forward_pre_hook(interrupt)
     with torch.no_grad():
-        with manager.forward_scope():
+        with manager.hooks.forward_scope():
             model(x)
-        with pytest.raises(KeyboardInterrupt), manager.forward_scope():
+        with pytest.raises(KeyboardInterrupt), manager.hooks.forward_scope():
             model(x)  # ran blocks 0 and 4, then stopped
     handle.remove()
     assert manager.calls.learned_calls == tuple(VACE_LIKE)

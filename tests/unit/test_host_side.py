@@ -1,0 +1,102 @@
+"""The host side on its own, without a manager: both tiers behind one interface, and the state it owns."""
+
+import os
+
+import pytest
+import torch
+
+from layerwise_offload.devtools.toy_transformer import ToyTransformer
+from layerwise_offload.offload import OffloadConfig
+from layerwise_offload.offload.block_params import BlockParameters
+from layerwise_offload.offload.disk_tier import DiskTier
+from layerwise_offload.offload.host_side import HostSide, HostTier, RamTier
+from layerwise_offload.offload.host_store import block_parameters
+
+
+def host_side(tmp_path, host_store, available=2**40):
+    model = ToyTransformer()
+    blocks = model.blocks_in_call_order()
+    expected = [[param.detach().clone() for _, param in block_parameters(block)] for block in blocks]
+    host = HostSide(blocks, torch.device("cpu"), OffloadConfig(host_store=host_store, prefetch_size=1))
+    host.disk_folder = str(tmp_path)
+    host.available_host_bytes = lambda: available
+    return model, blocks, expected, host, BlockParameters(blocks)
+
+
+def pack_all(host, params):
+    packed = []
+
+    def point_at_host_copy(index):
+        packed.append(index)
+        params.point_released(index, host.store, at_host=True, inference=host.inference_tensors)
+    host.pack(host.outdated(params), params, point_at_host_copy)
+    return packed
+
+
+def weights_in(host, index, source):
+    """Block ``index``'s parameters as the bytes of ``source`` (a tier's answer) describe them."""
+    return [view.clone() for view in host.store.layouts[index].weights_from(host.store.layouts[index].views(source))]
+
+
+def test_both_tiers_answer_the_same_interface():
+    for tier in (RamTier, DiskTier):
+        assert all(callable(getattr(tier, name, None)) for name in ("holds", "read_ahead", "source", "copied",
+                                                                     "pageable"))
+    assert issubclass(RamTier, HostTier) and issubclass(DiskTier, HostTier)
+
+
+@pytest.mark.parametrize("host_store", ["ram", "disk", "auto"])
+def test_every_block_is_read_back_from_its_tier_byte_for_byte(tmp_path, host_store):
+    model, blocks, expected, host, params = host_side(tmp_path, host_store)
+    if host_store == "auto":  # short of RAM: the latest blocks go to disk, the rest stay in RAM
+        host.available_host_bytes = lambda: 512 * 2**20 - 1
+    assert pack_all(host, params) == list(range(len(blocks)))
+    tiers = host.tiers()
+    if host_store == "auto":
+        assert "ram" in tiers and "disk" in tiers and tiers == sorted(tiers, key=["ram", "disk"].index)
+    else:
+        assert tiers == [host_store] * len(blocks)
+    assert host.outdated(params) == []  # the parameters point at the copies: nothing to pack again
+    for index in range(len(blocks)):
+        tier = host.tier(index)
+        assert isinstance(tier, HostTier) and tier.holds(index)
+        assert isinstance(tier, DiskTier) == (tiers[index] == "disk") and host.reads_ahead(index) == (
+            tiers[index] == "disk")
+        upcoming = [i for i in range(index + 1, len(blocks))]
+        got = weights_in(host, index, host.source(index, upcoming))
+        host.copied(index, None)  # a finished copy: a disk block's staging buffer is free again
+        assert all(torch.equal(a, b) for a, b in zip(got, expected[index]))
+    with torch.no_grad():  # the blocks' own parameters view the host copies too
+        assert torch.equal(model(torch.ones(1, 3, 32)), ToyTransformer()(torch.ones(1, 3, 32)))
+    host.close()
+    assert host.store is None and host.disk is None and host.ram is None
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("layerwise-offload-")]
+
+
+def test_a_block_replaced_from_outside_is_the_only_one_packed_again(tmp_path):
+    model, blocks, expected, host, params = host_side(tmp_path, "disk")
+    pack_all(host, params)
+    first = blocks[2]
+    name, param = block_parameters(first)[0]
+    new = torch.nn.Parameter(param.detach().clone() + 1)
+    module_name, _, attr = name.rpartition(".")
+    setattr(first.get_submodule(module_name) if module_name else first, attr, new)
+    assert host.outdated(params) == [2]
+    assert pack_all(host, params) == [2]
+    got = weights_in(host, 2, host.source(2))
+    host.copied(2, None)
+    assert torch.equal(got[0], expected[2][0] + 1)
+    host.close()
+
+
+def test_a_new_host_store_setting_repacks_every_block_from_where_it_is(tmp_path):
+    model, blocks, expected, host, params = host_side(tmp_path, "disk")
+    pack_all(host, params)
+    host.config = OffloadConfig(host_store="ram", prefetch_size=1)
+    assert host.outdated(params) == list(range(len(blocks)))
+    pack_all(host, params)  # read back from the old cache file, which is then deleted
+    assert host.tiers() == ["ram"] * len(blocks) and host.disk is None
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("layerwise-offload-")]
+    for index in range(len(blocks)):
+        assert all(torch.equal(a, b) for a, b in zip(weights_in(host, index, host.source(index)), expected[index]))
+    host.close()
