@@ -244,9 +244,10 @@ class LayerwiseOffloadManager:
         # Buffers and views are of the parameters' kind (see prepare): normal views made under
         # inference_mode would be unusable by autograd later, normal data in an inference parameter fails.
         with torch.inference_mode(self.inference_tensors):
-            return self._materialize_normal(index, protect, may_fail, after)
+            return self._copy_block_in(index, protect, may_fail, after)
 
-    def _materialize_normal(self, index: int, protect: Iterable[int], may_fail: bool, after) -> bool:
+    def _copy_block_in(self, index: int, protect: Iterable[int], may_fail: bool, after) -> bool:
+        """Give block ``index`` its device buffer (its own, or a slot), queue its copy, point it there."""
         layout = self.store.layouts[index]
         memory = self.device_memory
         if self.schedule.resident[index]:
