@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import List, Optional, Sequence
 
@@ -37,12 +38,15 @@ class BlockHooks:
     around every forward would change the modules' hook dicts, which torch.compile guards on: every
     forward would recompile. The check runs inside compiler-disabled calls, so it adds no guard either.
     ``driver`` has ``before_block(i)``, ``after_block(i)``, ``begin_forward()``, ``end_forward(completed)`` and
-    ``release_all()``.
+    ``release_all()``. Only the installed hooks hold it strongly (a model with hooks keeps its manager working);
+    this object holds it weakly, since the driver holds this object: that cycle would keep a dropped manager (and
+    its host store, the whole model in RAM) alive until the cycle collector runs, which ComfyUI's unload does not
+    wait for.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], driver):
         self._blocks = blocks
-        self._driver = driver
+        self._driver_ref = weakref.ref(driver)
         self._handles: List[torch.utils.hooks.RemovableHandle] = []
         self.active = True
 
@@ -54,10 +58,10 @@ class BlockHooks:
         """Install the block hooks (and forward-scope hooks on ``root``, if given). Idempotent."""
         if self._handles:
             return
-        driver = self._driver
+        driver = self._driver_ref()
         for index, block in enumerate(self._blocks):
-            self._handles.append(block.register_forward_pre_hook(self._make_pre_hook(index)))
-            self._handles.append(block.register_forward_hook(self._make_post_hook(index), always_call=True))
+            self._handles.append(block.register_forward_pre_hook(self._make_pre_hook(index, driver)))
+            self._handles.append(block.register_forward_hook(self._make_post_hook(index, driver), always_call=True))
         if root is not None:
             self._handles.append(root.register_forward_pre_hook(lambda module, args: driver.begin_forward()))
             # After an exception PyTorch calls this hook with no output: that forward is not learned from.
@@ -72,7 +76,7 @@ class BlockHooks:
     @contextmanager
     def forward_scope(self):
         """Count one model forward where no root module's hooks do (what happens inside is that forward)."""
-        driver = self._driver
+        driver = self._driver_ref()
         driver.begin_forward()
         try:
             yield driver
@@ -84,22 +88,22 @@ class BlockHooks:
             raise
         driver.end_forward()
 
-    def _make_pre_hook(self, index: int):
+    def _make_pre_hook(self, index: int, driver):
         def pre_hook(module, args):
-            self._pre_block(index)
+            self._pre_block(driver, index)
         return pre_hook
 
-    def _make_post_hook(self, index: int):
+    def _make_post_hook(self, index: int, driver):
         def post_hook(module, args, output):
-            self._post_block(index)
+            self._post_block(driver, index)
         return post_hook
 
     @_compiler_disable
-    def _pre_block(self, index: int) -> None:
+    def _pre_block(self, driver, index: int) -> None:
         if self.active:
-            self._driver.before_block(index)
+            driver.before_block(index)
 
     @_compiler_disable
-    def _post_block(self, index: int) -> None:
+    def _post_block(self, driver, index: int) -> None:
         if self.active:
-            self._driver.after_block(index)
+            driver.after_block(index)

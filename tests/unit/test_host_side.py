@@ -100,3 +100,31 @@ def test_a_new_host_store_setting_repacks_every_block_from_where_it_is(tmp_path)
     for index in range(len(blocks)):
         assert all(torch.equal(a, b) for a, b in zip(weights_in(host, index, host.source(index)), expected[index]))
     host.close()
+
+
+@pytest.mark.parametrize("host_store", ["ram", "disk"])
+def test_a_dropped_manager_frees_its_host_copies_by_reference_count_alone(tmp_path, host_store):
+    """ComfyUI drops a model by reference count (its unload does not wait for the cycle collector): once the hooks
+    are off, nothing among the manager's parts may point back at it, or its host store (the whole model in RAM)
+    would outlive the model until some later collection, and a memory cgroup kills the server first."""
+    import gc
+    import weakref
+    from layerwise_offload.offload import apply_layerwise_offload
+    model = ToyTransformer()
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2,
+                                      host_store=host_store)
+    manager.host.disk_folder = str(tmp_path)
+    manager.host.available_host_bytes = lambda: 2**40
+    with torch.no_grad():
+        model(torch.ones(1, 3, 32))
+    assert manager.store.built
+    refs = [weakref.ref(manager), weakref.ref(manager.store), weakref.ref(manager.host)]
+    manager.release_all()
+    manager.hooks.remove()  # what ComfyUI's unload does (the next load installs them again)
+    gc.disable()
+    try:
+        del manager, model
+        assert [ref() is None for ref in refs] == [True] * len(refs)
+    finally:
+        gc.enable()
+    assert not [name for name in os.listdir(tmp_path) if name.startswith("layerwise-offload-")]
