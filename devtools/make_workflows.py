@@ -2,8 +2,9 @@
 
 The files are written by this script so that all of them share one layout and one explanation of
 ``resident_layers``; they follow ComfyUI's own templates (comfyui-workflow-templates 0.7.25: flux_dev_full_text_to_
-image, text_to_video_wan, video_wan2_2_14B_t2v, image_qwen_image, hunyuan_video_text_to_video) with one change:
-a ``LayerwiseOffload`` node between the ``UNETLoader`` and the rest of the model chain.
+image, text_to_video_wan, video_wan2_2_14B_t2v, image_qwen_image, hunyuan_video_text_to_video) with a
+``LayerwiseOffload`` node after the diffusion-model loader, and that loader is *Load Diffusion Model (Layerwise)*
+(``UNETLoader``'s inputs, the weights left in the file) in the templates of workflow_graph.FROM_CHECKPOINT.
 After editing a workflow in the UI you may save it over the file instead; tests/e2e/test_workflows.py checks
 every file against the live ``/object_info`` either way.
 
@@ -30,6 +31,7 @@ _spec = importlib.util.spec_from_file_location("_lwo_workflow_graph", Path(__fil
 _graph = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_graph)
 Graph, HOW_TO, LOADER_COLOR, WORKFLOW_DIR = _graph.Graph, _graph.HOW_TO, _graph.LOADER_COLOR, _graph.WORKFLOW_DIR
+LOADER = _graph.LOADER_ID
 _note, _offload, _stats, _wid = _graph._note, _graph._offload, _graph._stats, _graph._wid
 plan_note = _graph.plan_note
 
@@ -38,7 +40,7 @@ plan_note = _graph.plan_note
 
 def flux1_dev() -> Dict[str, Any]:
     g = Graph(_wid("flux1_dev"))
-    unet = g.add("UNETLoader", (0, 0), ["flux1-dev.safetensors", "default"], size=(320, 82), color=LOADER_COLOR)
+    unet = g.add(LOADER, (0, 0), ["flux1-dev.safetensors", "default"], size=(320, 82), color=LOADER_COLOR)
     clip = g.add("DualCLIPLoader", (0, 140), ["clip_l.safetensors", "t5xxl_fp16.safetensors", "flux", "default"],
                  size=(320, 130), color=LOADER_COLOR)
     vae = g.add("VAELoader", (0, 330), ["ae.safetensors"], size=(320, 58), color=LOADER_COLOR)
@@ -89,7 +91,7 @@ def _prompt_pair(g, x: int, y: int, positive: str, negative: str, negative_heigh
 
 def wan21_t2v_14b() -> Dict[str, Any]:
     g = Graph(_wid("wan21_t2v_14b"))
-    unet = g.add("UNETLoader", (0, 0), ["wan2.1_t2v_14B_bf16.safetensors", "default"], size=(320, 82),
+    unet = g.add(LOADER, (0, 0), ["wan2.1_t2v_14B_bf16.safetensors", "default"], size=(320, 82),
                  color=LOADER_COLOR)
     clip = g.add("CLIPLoader", (0, 140), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
                  size=(320, 106), color=LOADER_COLOR)
@@ -128,10 +130,10 @@ models/text_encoders, `wan_2.1_vae.safetensors` in models/vae.
 
 def wan22_t2v_a14b() -> Dict[str, Any]:
     g = Graph(_wid("wan22_t2v_a14b"))
-    hi = g.add("UNETLoader", (0, 0), ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "default"], size=(340, 82),
-               title="Load Diffusion Model (high noise expert)", color=LOADER_COLOR)
-    lo = g.add("UNETLoader", (0, 140), ["wan2.2_t2v_low_noise_14B_fp16.safetensors", "default"], size=(340, 82),
-               title="Load Diffusion Model (low noise expert)", color=LOADER_COLOR)
+    hi = g.add(LOADER, (0, 0), ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "default"], size=(380, 82),
+               title="Load Diffusion Model (Layerwise): high noise", color=LOADER_COLOR)
+    lo = g.add(LOADER, (0, 140), ["wan2.2_t2v_low_noise_14B_fp16.safetensors", "default"], size=(380, 82),
+               title="Load Diffusion Model (Layerwise): low noise", color=LOADER_COLOR)
     clip = g.add("CLIPLoader", (0, 280), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
                  size=(340, 106), color=LOADER_COLOR)
     vae = g.add("VAELoader", (0, 440), ["wan_2.1_vae.safetensors"], size=(340, 58), color=LOADER_COLOR)
@@ -188,7 +190,7 @@ models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text
 
 def qwen_image() -> Dict[str, Any]:
     g = Graph(_wid("qwen_image"))
-    unet = g.add("UNETLoader", (0, 0), ["qwen_image_fp8_e4m3fn.safetensors", "default"], size=(320, 82),
+    unet = g.add(LOADER, (0, 0), ["qwen_image_fp8_e4m3fn.safetensors", "default"], size=(320, 82),
                  color=LOADER_COLOR)
     clip = g.add("CLIPLoader", (0, 140), ["qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image", "default"],
                  size=(320, 106), color=LOADER_COLOR)
@@ -227,7 +229,7 @@ models/text_encoders, `qwen_image_vae.safetensors` in models/vae.
 
 def hunyuan_video() -> Dict[str, Any]:
     g = Graph(_wid("hunyuan_video"))
-    unet = g.add("UNETLoader", (0, 0), ["hunyuan_video_t2v_720p_bf16.safetensors", "default"], size=(340, 82),
+    unet = g.add(LOADER, (0, 0), ["hunyuan_video_t2v_720p_bf16.safetensors", "default"], size=(340, 82),
                  color=LOADER_COLOR)
     clip = g.add("DualCLIPLoader", (0, 140),
                  ["clip_l.safetensors", "llava_llama3_fp8_scaled.safetensors", "hunyuan_video", "default"],

@@ -17,11 +17,16 @@ PACK_VERSION = "0.1.0"
 CORE_VERSION = "0.3.75"
 NODE_ID = "LayerwiseOffload"
 STATS_ID = "LayerwiseOffloadStats"
+# Load Diffusion Model (Layerwise) (nodes/loader.py): UNETLoader's inputs, the weights left in the file, so the
+# blocks that do not fit in RAM are read from the checkpoint (host_store auto).
+LOADER_ID = "LayerwiseOffloadLoadDiffusionModel"
+PACK_NODES = (NODE_ID, STATS_ID, LOADER_ID)
 
 # Slots of every node type used: (inputs [(name, type)], outputs [(name, type)], widget names).
 # tests/e2e/test_workflows.py checks these against ComfyUI 0.3.75's /object_info.
 SPECS: Dict[str, Tuple[List[Tuple[str, str]], List[Tuple[str, str]], List[str]]] = {
     "UNETLoader": ([], [("MODEL", "MODEL")], ["unet_name", "weight_dtype"]),
+    LOADER_ID: ([], [("MODEL", "MODEL")], ["unet_name", "weight_dtype"]),
     "CLIPLoader": ([], [("CLIP", "CLIP")], ["clip_name", "type", "device"]),
     "DualCLIPLoader": ([], [("CLIP", "CLIP")], ["clip_name1", "clip_name2", "type", "device"]),
     "VAELoader": ([], [("VAE", "VAE")], ["vae_name"]),
@@ -105,8 +110,8 @@ MODEL_URLS = {
         "https://huggingface.co/Comfy-Org/HunyuanVideo_repackaged/resolve/main/split_files/vae/"
         "hunyuan_video_vae_bf16.safetensors",
 }
-MODEL_DIRS = {"UNETLoader": "diffusion_models", "CLIPLoader": "text_encoders", "DualCLIPLoader": "text_encoders",
-              "VAELoader": "vae"}
+MODEL_DIRS = {"UNETLoader": "diffusion_models", LOADER_ID: "diffusion_models", "CLIPLoader": "text_encoders",
+              "DualCLIPLoader": "text_encoders", "VAELoader": "vae"}
 
 # Colours ComfyUI's templates use for loaders (red) and for our node (green, so it stands out).
 LOADER_COLOR = ("#322", "#533")
@@ -143,7 +148,7 @@ class Graph:
         }
         if type_ not in FRONTEND_ONLY:
             node["properties"]["Node name for S&R"] = type_
-            if type_ in (NODE_ID, STATS_ID):
+            if type_ in PACK_NODES:
                 node["properties"].update({"cnr_id": PACK_CNR_ID, "ver": PACK_VERSION})
             else:
                 node["properties"].update({"cnr_id": "comfy-core", "ver": CORE_VERSION})
@@ -216,8 +221,9 @@ def _wid(name: str) -> str:
 HOW_TO = """## Layerwise Offload: how many blocks stay in VRAM
 
 The **Layerwise Offload (DiT)** node keeps the first `resident_layers` transformer blocks on the GPU and streams
-the others from system RAM while sampling, `prefetch_size` blocks ahead. More resident blocks = faster (fewer
-bytes cross PCIe at each step); fewer = less VRAM.
+the others from system RAM (those that do not fit in RAM from disk: `host_store = auto`) while sampling,
+`prefetch_size` blocks ahead. More resident blocks = faster (fewer bytes cross PCIe at each step); fewer = less
+VRAM.
 
 This workflow starts with `-1` (auto): at the first step of each run the node keeps as many blocks as fit in the
 VRAM free then, after room for the activations of this resolution. The counts below are what auto picks on each
@@ -275,8 +281,18 @@ def plan_note(key: str, setting: str) -> str:
         text += (" 0*: even with every block streamed the activations do not fit that card; auto streams "
                  "everything, and fewer frames or a lower resolution is the fix if it runs out of memory.")
     both = " (both experts)" if t["experts"] > 1 else ""
-    return text + (f"\n\nSystem RAM needed: about {t['ram_bytes'] / GB:.0f} GB: the diffusion model{both} "
-                   f"{t['dit_bytes'] / GB:.1f} GB, plus the text encoder, the VAE and ComfyUI.")
+    if key not in FROM_CHECKPOINT:
+        return text + (f"\n\nSystem RAM needed: about {t['ram_bytes'] / GB:.0f} GB: the diffusion model{both} "
+                       f"{t['dit_bytes'] / GB:.1f} GB, plus the text encoder, the VAE and ComfyUI.")
+    full, least = f"{t['ram_bytes'] / GB:.0f} GB", f"{memory.disk_tier_ram_bytes(PLANS, t) / GB:.0f} GB"
+    return text + (f"\n\n**System RAM: about {full} for full speed, {least} at the least.** With {full} every "
+                   f"streamed block stays in RAM: the diffusion model{both} {t['dit_bytes'] / GB:.1f} GB, plus the "
+                   f"text encoder, the VAE and ComfyUI. With less it still runs, down to about {least}, slower: "
+                   f"*Load Diffusion Model (Layerwise)* leaves the weights in the .safetensors file instead of "
+                   f"copying them into RAM, and `host_store = auto` reads the blocks that do not fit in RAM straight "
+                   f"from that file at each step (each costs its read time; a fast NVMe SSD helps; the Stats node "
+                   f"counts them). ComfyUI's own *Load Diffusion Model* takes the same inputs but copies the whole "
+                   f"model into RAM: with it, the full {full} is needed.")
 
 
 def min_card(key: str) -> int:
@@ -284,20 +300,38 @@ def min_card(key: str) -> int:
     return next(c for c, r in zip(PLANS["cards_gib"], t["resident"]) if r is not None)
 
 
+#: The templates whose diffusion model(s) load through Load Diffusion Model (Layerwise), so they run from the
+#: disk-tier RAM figure up. The GGUF one keeps ComfyUI-GGUF's loader (a .gguf file is not ours to map), the tiny
+#: demo ComfyUI's own (19 MB: RAM is no question there, and it shows the node on the stock loader).
+FROM_CHECKPOINT = frozenset({"flux1_dev", "wan21_t2v_14b", "wan22_t2v_a14b", "wan22_t2v_a14b_fp8", "qwen_image",
+                             "hunyuan_video"})
+
+
+def _ram_range(key: str) -> str:
+    t = memory.plan_for(PLANS, key)
+    return (f"{memory.disk_tier_ram_bytes(PLANS, t) / GB:.0f}+ GB RAM ({t['ram_bytes'] / GB:.0f} GB for full "
+            f"speed)")
+
+
 def file_name(key: Optional[str], title: str) -> str:
     """A template's file name, which the template browser shows as its title and description: what it is, the
-    RAM it needs and the smallest card auto plans for (the tiny demo, ``key`` None: its title)."""
+    RAM it needs and the smallest card auto plans for (the tiny demo, ``key`` None: its title). A template that
+    loads through Load Diffusion Model (Layerwise) runs from the disk-tier figure up and at full speed with
+    every streamed block in RAM: the name gives both."""
     if key is None:
         return f"{title}.json"
     t = memory.plan_for(PLANS, key)
-    return f"{title}, {t['ram_bytes'] / GB:.0f} GB RAM, {min_card(key)}+ GB GPU.json"
+    ram = _ram_range(key) if key in FROM_CHECKPOINT else f"{t['ram_bytes'] / GB:.0f} GB RAM"
+    return f"{title}, {ram}, {min_card(key)}+ GB GPU.json"
 
 
 def card_spec(key: Optional[str], card_title: str, subtitle: str) -> Dict[str, Any]:
     """What the template's card picture shows (devtools/template_cards.py)."""
     if key is None:
         return cards.demo_spec(card_title, subtitle, 4, "python demo/install_tiny_demo.py")
-    return cards.model_spec(card_title, subtitle, PLANS, memory.plan_for(PLANS, key))
+    t = memory.plan_for(PLANS, key)
+    low = memory.disk_tier_ram_bytes(PLANS, t) if key in FROM_CHECKPOINT else None
+    return cards.model_spec(card_title, subtitle, PLANS, t, low)
 
 
 def _note(g: Graph, pos, text: str, size=(520, 560)) -> None:

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
+#: The diffusion-model loaders a variant rewrites: ComfyUI's own, or the pack's (workflow_graph.LOADER_ID).
+DIT_LOADERS = ("UNETLoader", "LayerwiseOffloadLoadDiffusionModel")
+
 __all__ = ["GGUF_LOADER", "GGUF_PACK", "WAN22_GGUF_FILES", "WAN22_GGUF_REPO", "wan22_fp8", "wan22_gguf"]
 
 #: city96's ComfyUI-GGUF: its diffusion-model loader and how the frontend names the pack (Comfy Registry id and
@@ -37,7 +40,7 @@ def wan22_fp8(wf: Dict[str, Any], workflow_id: str, plan_text: str) -> Dict[str,
     models), so twice the resident blocks in the same VRAM."""
     wf["id"] = workflow_id
     for node in wf["nodes"]:
-        if node["type"] == "UNETLoader":
+        if node["type"] in DIT_LOADERS:
             values = node["widgets_values"]
             values[0] = values[0].replace("_fp16.", "_fp8_scaled.")
             for model in node["properties"].get("models", []):  # same Comfy-Org repackaged folder
@@ -57,13 +60,13 @@ models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text
 
 
 def wan22_gguf(wf: Dict[str, Any], workflow_id: str, plan_text: str) -> Dict[str, Any]:
-    """The Wan 2.2 template with ComfyUI-GGUF's *Unet Loader (GGUF)* in place of each *Load Diffusion Model*.
+    """The Wan 2.2 template with ComfyUI-GGUF's *Unet Loader (GGUF)* in place of each diffusion-model loader.
 
     The loaders carry no download URL: the frontend's missing-models dialog downloads only .safetensors files,
     so the note says where the .gguf files come from and which folder they go in."""
     wf["id"] = workflow_id
     for node in wf["nodes"]:
-        if node["type"] != "UNETLoader":
+        if node["type"] not in DIT_LOADERS:
             continue
         expert = next(e for e in WAN22_GGUF_FILES if e in node["widgets_values"][0])
         node.update(type=GGUF_LOADER, widgets_values=[WAN22_GGUF_FILES[expert]], size=[340.0, 58.0],

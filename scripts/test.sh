@@ -42,7 +42,7 @@ done
 # with its own pytest temp folder, their lines prefixed with the version. PARALLEL=0 runs them one after another.
 # The newest frontend (PyPI comfyui-frontend-package, served with --front-end-root) over ComfyUI 0.14.1 follows the
 # 0.14.1 run: the Stats node's browser tests (what a person sees of the pack: the picture at the opening zoom, the
-# hints), when the whole suite (no path given) ran on 0.14.1. FRONTEND_158=0 leaves it out. test_browser.py's older
+# hints) and a template's missing model offered for download, when the whole suite (no path given) ran on 0.14.1. FRONTEND_158=0 leaves it out. test_browser.py's older
 # checks (node search, missing-node detection) are written against the pinned frontends 1.32 and 1.39.
 results="$(mktemp -d)"
 trap 'rm -rf "$results"' EXIT
@@ -59,7 +59,9 @@ run_version() {  # version: writes "<label>|<exit status>" lines into $results/<
         static="$(bash scripts/install_frontend.sh | tail -n 1)" || status=$?
         if [[ $status == 0 ]]; then
             LAYERWISE_OFFLOAD_FRONTEND_ROOT="$static" run_pytest "$ROOT/.venv-0.14.1" "$ROOT/.comfyui/ComfyUI-0.14.1" \
-                tests/e2e/test_browser_stats.py "$@" --basetemp="$results/tmp-frontend" || status=$?
+                tests/e2e/test_browser_stats.py \
+                tests/e2e/test_browser.py::test_missing_diffusion_model_of_a_template_is_offered_for_download \
+                "$@" --basetemp="$results/tmp-frontend" || status=$?
         fi
         echo "ComfyUI 0.14.1 + frontend 1.58.1 (browser)|$status" >> "$results/$v"
     fi

@@ -3,8 +3,10 @@ served with --front-end-root, e.g. PyPI's comfyui-frontend-package 1.58.1: LAYER
 static folder>) in headless Debian Chromium, driven with Playwright's Python API: the app loads with the node
 registered, the node search finds it, every workflow in workflows/ loads with no missing-node warning (the GGUF one
 through ComfyUI-GGUF, installed next to this pack where shared/peers has it; without it, its loaders must be the only
-missing nodes), the templates dialog lists the pack and loads the tiny demo, the tiny demo queued from the page's Run
-button completes (test_browser_stats.py, with what the Stats node draws; screenshots go to artifacts/).
+missing nodes), a template's missing diffusion model (its Load Diffusion Model (Layerwise) file) is listed with a
+Download button that opens the template's URL (this one on 1.58.1 too: scripts/test.sh), the templates dialog lists
+the pack and loads the tiny demo, the tiny demo queued from the page's Run button completes (test_browser_stats.py,
+with what the Stats node draws; screenshots go to artifacts/).
 
 Needs /usr/bin/chromium and the playwright Python package (scripts/install_browser.sh, which scripts/test.sh
 runs); skips when either is missing. Playwright never downloads a browser here: executable_path points at
@@ -34,6 +36,7 @@ CHROMIUM = os.environ.get("LAYERWISE_OFFLOAD_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 NODE = "LayerwiseOffload"
+LAYERWISE_LOADER = "LayerwiseOffloadLoadDiffusionModel"
 DISPLAY = "Layerwise Offload (DiT)"
 PACK_FOLDER = "layerwise-offload"
 # Rewrite the committed pictures in docs/ from this run.
@@ -95,18 +98,23 @@ def browser():
             b.close()
 
 
-@pytest.fixture(scope="module")
-def page(browser, comfy_server):
+def _open_app(browser, comfy_server, **context_options):
     # A returning user: no first-run template browser popping up over the canvas.
     status, _ = comfy_server.request("POST", "/api/settings", {"Comfy.TutorialCompleted": True})
     assert status == 200
-    ctx = browser.new_context(viewport={"width": 1600, "height": 1000})
+    ctx = browser.new_context(viewport={"width": 1600, "height": 1000}, **context_options)
     pg = ctx.new_page()
     pg.page_errors = []
     pg.on("pageerror", lambda e: pg.page_errors.append(str(e)))
     pg.goto(comfy_server.url, wait_until="domcontentloaded")
     pg.wait_for_function("() => window.app && window.app.graph && window.LiteGraph && window.app.canvas",
                          timeout=90_000)
+    return ctx, pg
+
+
+@pytest.fixture(scope="module")
+def page(browser, comfy_server):
+    ctx, pg = _open_app(browser, comfy_server)
     yield pg
     ctx.close()
 
@@ -210,7 +218,7 @@ def test_workflow_loads_without_missing_nodes(page, path, missing_peers):
                           ": window.app.graph.links).length})")
     assert graph == {"nodes": len(wf["nodes"]), "links": len(wf["links"])}
     missing_models = [t for t in texts if "Missing Models" in t]
-    loaders = [n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "UNETLoader"]
+    loaders = [n["widgets_values"][0] for n in wf["nodes"] if n["type"] in ("UNETLoader", LAYERWISE_LOADER)]
     if path == TINY:
         assert not texts, texts  # every file the tiny demo loads is on the server
     else:
@@ -267,3 +275,129 @@ def _run_from_page(page, comfy_server) -> dict:
         time.sleep(0.25)
     assert new, "the Run button queued nothing"
     return comfy_server.wait_for(new[0], timeout=120)
+
+
+
+# ------------------------------------------------------------------------------------------------ missing models
+# Frontends 1.32 and 1.39 list the files a workflow names in properties.models but the server lacks in a "Missing
+# Models" dialog, by folder, whatever the node type; 1.58 scans every combo widget whose value looks like a model
+# file, marks it missing when the server's list lacks it, takes folder and URL from properties.models by name, and
+# lists it under Issues in the right side panel ("View details" on its toast). Either way a Download button opens
+# the URL (a browser: a link click, which the page hook below records instead of leaving the page). Before that the
+# frontends ask Hugging Face for the size (HEAD); on a failed HEAD 1.32 and 1.39 open the repository page instead
+# (their sign-in path for gated models), so the test answers the HEAD as the site does (page_online).
+
+def _record_downloads(page) -> None:
+    page.evaluate("""() => { window.__lwoDownloads = [];
+        if (window.__lwoDownloadHook) return;
+        window.__lwoDownloadHook = true;
+        const click = HTMLAnchorElement.prototype.click;
+        HTMLAnchorElement.prototype.click = function () {
+            if (this.href && !this.href.startsWith(location.origin)) { window.__lwoDownloads.push(this.href); return; }
+            return click.call(this); };
+        window.open = (url) => { window.__lwoDownloads.push(String(url)); return null; }; }""")
+
+
+def _answer_size_requests(route) -> None:
+    if route.request.method != "HEAD":
+        route.abort()
+        return
+    route.fulfill(status=200, body="", headers={"content-length": str(FAKE_SIZE), "access-control-allow-origin": "*"})
+
+
+FAKE_SIZE = 23_802_932_552  # what the frontend shows as the file's size
+
+
+def _missing_models_listing(page):
+    """The element that lists the missing models, where this frontend shows it."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    dialog = page.get_by_role("dialog").filter(has_text="Missing Models")
+    group = page.locator("[data-testid=error-group-missing-model]")
+    details = page.get_by_role("button", name="View details")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        if dialog.count():
+            return dialog.first
+        if details.count() and details.first.is_visible():
+            details.first.click()
+            try:
+                group.first.wait_for(state="visible", timeout=10_000)
+            except PlaywrightTimeout:
+                continue
+            return group.first
+        page.wait_for_timeout(250)
+    _shot(page, "missing_models_not_shown")
+    raise AssertionError("no missing-models listing (artifacts/browser_missing_models_not_shown.png): "
+                         + page.evaluate("() => document.body.innerText")[-2000:])
+
+
+def _model_row(listing, name: str):
+    """The innermost part of ``listing`` that names ``name`` and has a Download button: that file's row."""
+    import re
+
+    rows = listing.locator("li, div").filter(has_text=name).filter(
+        has=listing.page.get_by_role("button", name=re.compile(r"^Download\b(?! all)")))
+    assert rows.count(), f"{name} is not listed with a Download button: {listing.inner_text()}"
+    return rows.last
+
+
+def _close_missing_models(page) -> None:
+    _close_dialogs(page)
+    page.evaluate("() => window.app.graph.clear()")
+    page.wait_for_timeout(300)
+
+
+@pytest.fixture
+def page_online(browser, comfy_server):
+    """A page that may reach Hugging Face as a user's does: the session's server runs with --disable-api-nodes,
+    whose Content-Security-Policy (connect-src 'self') blocks the frontend's size request; the page ignores that
+    policy and the test answers the request (the machine is offline)."""
+    ctx, pg = _open_app(browser, comfy_server, bypass_csp=True)
+    pg.route("https://huggingface.co/**", _answer_size_requests)
+    yield pg
+    ctx.close()
+
+
+def test_missing_diffusion_model_of_a_template_is_offered_for_download(page_online):
+    """Flux.1 dev's template, as shipped: its *Load Diffusion Model (Layerwise)* names flux1-dev.safetensors, which
+    this server lacks. The frontend lists that file in its diffusion_models folder with a Download button that
+    opens the URL the template carries. Control: the same graph with the loader set to a file the server has
+    (the tiny Wan) lists everything else but not that loader's file."""
+    import re
+
+    page = page_online
+    path = next(p for p in WORKFLOWS if p.stem.startswith("Flux.1 dev"))
+    wf = json.loads(path.read_text())
+    loader = next(n for n in wf["nodes"] if n["type"] == LAYERWISE_LOADER)
+    model = loader["properties"]["models"][0]
+    assert (model["name"], model["directory"]) == (loader["widgets_values"][0], "diffusion_models")
+    others = [m["name"] for n in wf["nodes"] if n is not loader for m in n["properties"].get("models", [])]
+    assert others, "the text encoders and the VAE carry their downloads too"
+
+    _load(page, wf, path.stem)
+    assert page.evaluate("(t) => window.app.graph._nodes.filter(n => n.type === t).length", LAYERWISE_LOADER) == 1
+    listing = _missing_models_listing(page)
+    row = _model_row(listing, model["name"])
+    assert "diffusion_models" in row.inner_text(), row.inner_text()
+    for name in others:
+        _model_row(listing, name)
+    _shot(page, "missing_model_download")
+    _record_downloads(page)
+    row.get_by_role("button", name=re.compile(r"^Download")).first.click()
+    page.wait_for_function("() => window.__lwoDownloads.length > 0", timeout=5_000)
+    assert page.evaluate("() => window.__lwoDownloads") == [model["url"]]
+    _close_missing_models(page)
+
+    present = json.loads(TINY.read_text())
+    tiny_file = next(n for n in present["nodes"] if n["type"] == "UNETLoader")["widgets_values"][0]
+    loader["widgets_values"][0] = tiny_file
+    loader["properties"]["models"] = [dict(model, name=tiny_file)]
+    _load(page, wf, path.stem + " (control)")
+    listing = _missing_models_listing(page)
+    for name in others:
+        _model_row(listing, name)
+    text = listing.inner_text()
+    assert model["name"] not in text and tiny_file not in text, text
+    _shot(page, "missing_model_control")
+    _close_missing_models(page)

@@ -19,7 +19,8 @@ from layerwise_offload.devtools.workflow_api import FRONTEND_ONLY, validate_work
 REPO = Path(__file__).resolve().parents[2]
 FILES = sorted((REPO / "workflows").glob("*.json"))
 NODE = "LayerwiseOffload"
-LOADERS = ("UNETLoader", "UnetLoaderGGUF")
+LAYERWISE_LOADER = "LayerwiseOffloadLoadDiffusionModel"
+LOADERS = ("UNETLoader", LAYERWISE_LOADER, "UnetLoaderGGUF")
 
 # The families the brief asks for, each with the diffusion model file(s) its loader must name.
 EXPECTED = {
@@ -117,7 +118,7 @@ def test_gguf_wan22_is_the_fp16_graph_with_comfyui_gguf_loaders():
     assert gguf["links"] == fp16["links"] and gguf["id"] != fp16["id"]
     swapped = []
     for a, b in zip(fp16["nodes"], gguf["nodes"]):
-        if a["type"] == "UNETLoader":
+        if a["type"] in LOADERS:
             swapped.append(b)
             assert b["type"] == "UnetLoaderGGUF" and len(b["widgets_values"]) == 1  # unet_name only
             assert b["properties"]["cnr_id"] == "comfyui-gguf"  # the missing-node dialog names the pack
@@ -161,6 +162,80 @@ def test_workflows_notes_pictures_and_readme_are_written_from_the_plans(capsys):
 
     assert make_workflows.main(["--check"]) == 0, capsys.readouterr().out + \
         "\nrun: python -P devtools/make_workflows.py"
+
+
+def test_real_safetensors_templates_load_through_the_layerwise_loader():
+    """The real-model .safetensors templates load their DiT(s) with Load Diffusion Model (Layerwise), carry its
+    download (the frontend's missing-models dialog) and say in their name both RAM figures; the GGUF one keeps
+    ComfyUI-GGUF's loader and the tiny demo ComfyUI's, each with one RAM figure (or none)."""
+    from layerwise_offload.devtools import make_workflows, template_memory
+    from layerwise_offload.devtools.workflow_graph import FROM_CHECKPOINT, MODEL_URLS
+
+    plans = template_memory.load_plans()
+    assert FROM_CHECKPOINT == {"flux1_dev", "wan21_t2v_14b", "wan22_t2v_a14b", "wan22_t2v_a14b_fp8", "qwen_image",
+                               "hunyuan_video"}
+    for key, title, *_ in make_workflows.TEMPLATES:
+        name = make_workflows.file_name(key, title)
+        wf = _load(REPO / "workflows" / name)
+        loaders = [n for n in wf["nodes"] if n["type"] in LOADERS]
+        if key not in FROM_CHECKPOINT:
+            assert {n["type"] for n in loaders} == {"UnetLoaderGGUF" if key else "UNETLoader"}, name
+            assert "for full speed" not in name
+            continue
+        assert loaders and {n["type"] for n in loaders} == {LAYERWISE_LOADER}, name
+        for n in loaders:
+            file, dtype = n["widgets_values"]
+            assert dtype == "default", "a converting weight_dtype would copy the weights into RAM"
+            url = MODEL_URLS.get(file, n["properties"]["models"][0]["url"])  # fp8: the fp16 one renamed
+            assert n["properties"]["models"] == [{"name": file, "url": url, "directory": "diffusion_models"}], name
+            assert url.startswith("https://huggingface.co/") and url.endswith("/" + file)
+            assert n["properties"]["cnr_id"] == "layerwise-offload"
+        t = template_memory.plan_for(plans, key)
+        full, least = round(t["ram_bytes"] / 1e9), round(template_memory.disk_tier_ram_bytes(plans, t) / 1e9)
+        assert least < full and f", {least}+ GB RAM ({full} GB for full speed), " in name, name
+        note = next(n for n in wf["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
+        assert f"about {full} GB for full speed, {least} GB at the least" in note, name
+        assert "Load Diffusion Model (Layerwise)" in note and "host_store = auto" in note
+
+
+def test_the_templates_layerwise_loader_runs_the_tiny_model_like_comfyuis(comfy_server, object_info):
+    """The loader node exactly as the real-model templates carry it (type, weight_dtype, properties), given the tiny
+    Wan 2.1 in place of the tiny demo's UNETLoader, runs in the real server behind the demo's offload node and
+    saves bitwise the demo's latent, with the weights left in the file (its log line)."""
+    import copy
+    import safetensors.torch
+    import torch
+
+    shipped = {json.dumps({k: n[k] for k in ("type", "properties")} | {"dtype": n["widgets_values"][1]},
+                          sort_keys=True): n
+               for p in FILES for n in _load(p)["nodes"] if n["type"] == LAYERWISE_LOADER}
+    assert len(shipped) >= 6, "one per real-model .safetensors template file (Wan 2.2: two each)"
+    demo = _load(next(p for p in FILES if p.stem.startswith("A tiny demo")))
+
+    def latent(wf, prefix):
+        for n in wf["nodes"]:
+            if n["type"] == "SaveLatent":
+                n["widgets_values"] = [prefix]
+        entry = comfy_server.run_prompt(workflow_to_prompt(wf, object_info))
+        files = comfy_server.output_files(entry, "latents")
+        assert len(files) == 1, entry.get("outputs")
+        return safetensors.torch.load_file(str(files[0]))["latent_tensor"]
+
+    want = latent(copy.deepcopy(demo), "e2e/templates_loader_ref")
+    dtypes = {n["widgets_values"][1] for n in shipped.values()}
+    assert dtypes == {"default"}
+    swapped = copy.deepcopy(demo)
+    tiny_file = next(n for n in swapped["nodes"] if n["type"] == "UNETLoader")["widgets_values"][0]
+    template_node = copy.deepcopy(next(iter(shipped.values())))
+    for n in swapped["nodes"]:
+        if n["type"] == "UNETLoader":
+            n.update(type=LAYERWISE_LOADER, properties=template_node["properties"],
+                     widgets_values=[tiny_file, template_node["widgets_values"][1]])
+    log_before = len(comfy_server.log_text())
+    got = latent(swapped, "e2e/templates_loader")
+    assert torch.equal(got, want)
+    log = comfy_server.log_text()[log_before:]
+    assert f"[layerwise-offload] loaded" in log and "left in the file" in log, log[-3000:]
 
 
 def _readme_rows():
