@@ -312,14 +312,17 @@ class HostSide:
             ram.set_pinned(backend, index, index in chosen)
 
     # ----------------------------------------------------------------- giving back
-    def own_copy(self, index: int, target: torch.device) -> List[torch.Tensor]:
-        """Block ``index``'s weights (``layouts[index].weights`` order) as tensors of their own on ``target``."""
+    def give_back(self, params, target: torch.device) -> None:
+        """Give every block's parameters (``params``) tensors of their own on ``target``, then :meth:`close`."""
         store = self.store
-        if index in store.mapped and target.type == "cpu":
-            copies = store.views(index)  # the checkpoint's own tensors: no copy of a model bigger than RAM
-        else:
-            copies = [view.to(target, copy=True) for view in store.views(index)]
-        return store.layouts[index].weights_from(copies)
+        for index, layout in enumerate(store.layouts):
+            with torch.inference_mode(params_are_inference(params.named[index])):
+                if index in store.mapped and target.type == "cpu":
+                    copies = store.views(index)  # the checkpoint's own tensors: no copy of a model bigger than RAM
+                else:
+                    copies = [view.to(target, copy=True) for view in store.views(index)]
+                params.point_at(index, layout, layout.weights_from(copies))
+        self.close()
 
     def close(self) -> None:
         """Unlock and free the store, close the disk tier (its cache file is deleted)."""

@@ -9,7 +9,7 @@ streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copie
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -17,13 +17,14 @@ from torch import nn
 from .block_checks import move_block_buffers
 from .block_copier import BlockCopier, BlockTransform
 from .block_params import BlockParameters
+from .block_states import BlockStates
 from .call_order import CallTracker
 from .config import OffloadConfig, resolve_resident_count
 from .device_backend import make_backend, normalize_device
 from .device_memory import DeviceMemory
 from .hooks import BlockHooks
 from .host_side import HostSide
-from .host_store import HostStore, params_are_inference, plan_layout
+from .host_store import HostStore, plan_layout
 from .schedule import Schedule, choose_resident_blocks
 from .stats import Counters, OffloadStats, snapshot
 
@@ -43,10 +44,10 @@ class LayerwiseOffloadManager:
     device slots, resident copies); ``release_all()`` returns every device byte; ``replan()``
     changes the plan; ``detach()`` gives the blocks back as ordinary parameters.
 
-    The manager owns the plan and each block's state (materialized or not, its views, its pending copy) and
-    holds its parts: ``host`` (where the host copies live: RAM or disk, packing, pinning), ``device_memory``
-    (resident buffers and slots), ``copier`` (the copy and its transform), ``calls`` (the learned call
-    order), ``hooks`` and ``counters``.
+    The manager owns the plan and drives the step; its parts own the rest: ``host`` (where the host copies
+    live: RAM or disk, packing, pinning), ``params`` (what the parameters point at), ``device_memory`` (resident
+    buffers and slots), ``states`` (each block's state on the device), ``copier`` (the copy and its
+    transform), ``calls`` (the learned call order), ``hooks`` and ``counters``.
     """
 
     def __init__(self, blocks: Sequence[nn.Module], device, config: Optional[OffloadConfig] = None,
@@ -66,6 +67,7 @@ class LayerwiseOffloadManager:
         self.calls = CallTracker()
         self.hooks = BlockHooks(self.blocks, self)
         self.counters = Counters(self.num_blocks)
+        self.states = BlockStates(self.num_blocks)
         self.schedule: Optional[Schedule] = None
         self._reset_device_state()
         self._release_after_forward = False
@@ -101,10 +103,10 @@ class LayerwiseOffloadManager:
         return self.host.pin_memory
 
     def is_materialized(self, index: int) -> bool:
-        return self._materialized[index]
+        return self.states.materialized[index]
 
     def materialized_blocks(self) -> List[int]:
-        return [i for i, m in enumerate(self._materialized) if m]
+        return self.states.materialized_blocks()
 
     def resident_count(self) -> int:
         return resolve_resident_count(self.config.resident_layers, self.num_blocks)
@@ -149,10 +151,8 @@ class LayerwiseOffloadManager:
         """
         self.counters.end_forward()
         self.calls.end(completed)
-        for index, handle in enumerate(self._pending_copy):
-            if handle is not None and index not in self._hidden:
-                self._point_released(index)
-                self._hidden.add(index)
+        for index in self.states.hide_pending():
+            self._point_released(index)
         if self._release_after_forward:
             self.release_all()
 
@@ -162,26 +162,27 @@ class LayerwiseOffloadManager:
         if not self.armed:
             self.arm()
         self.calls.track(index)
-        if not self._materialized[index]:
+        states = self.states
+        if not states.materialized[index]:
             self.counters.demand_copies += 1
             self._materialize(index, protect=self._upcoming(index))
-        handle = self._pending_copy[index]
+        handle = states.take_pending(index)
         if handle is not None:
             self.backend.wait_for_copy(handle)
-            self._pending_copy[index] = None
-        if index in self._hidden:  # prefetched by the last forward (end_forward): the wait is queued now
-            self._hidden.discard(index)
-            self._point_at(index, self._device_views[index])
-        self._running[index] += 1
+        views = states.unhide(index)
+        if views is not None:  # prefetched by the last forward (end_forward): the wait is queued now
+            self._point_at(index, views)
+        states.running[index] += 1
         self._prefetch_after(index, pageable=False)
 
     @_compiler_disable
     def after_block(self, index: int) -> None:
         if self.schedule is not None:
             self._prefetch_after(index, pageable=True)
-        if self._running[index] > 0:
-            self._running[index] -= 1
-        if self.schedule is None or self.schedule.resident[index] or self._running[index] > 0:
+        running = self.states.running
+        if running[index] > 0:
+            running[index] -= 1
+        if self.schedule is None or self.schedule.resident[index] or running[index] > 0:
             return
         window = self.calls.window(index, self.config.prefetch_size)
         # Called again within the look-ahead (VACE: once per context; or every streamed call fits in the slots):
@@ -193,7 +194,7 @@ class LayerwiseOffloadManager:
 
     def _upcoming(self, index: int) -> List[int]:
         """The streamed blocks to have on the device next, after the block ``index`` runs."""
-        return self.calls.upcoming(index, self.config.prefetch_size, self.schedule, self._materialized[index])
+        return self.calls.upcoming(index, self.config.prefetch_size, self.schedule, self.states.materialized[index])
 
     def _prefetch_after(self, index: int, pageable: Optional[bool] = None) -> None:
         """Start the copies of the blocks to run next; ``pageable`` picks only the copies from pageable
@@ -202,7 +203,7 @@ class LayerwiseOffloadManager:
         overlaps its compute."""
         targets = self._upcoming(index)
         for target in targets:
-            if self._materialized[target] or (pageable is not None and self._copy_is_pageable(target) != pageable):
+            if self.states.materialized[target] or (pageable is not None and self._copy_is_pageable(target) != pageable):
                 continue
             if not self._materialize(target, protect=targets, may_fail=True):
                 break
@@ -256,7 +257,7 @@ class LayerwiseOffloadManager:
                 after = self.backend.mark_compute()
             key = ("resident", index)
         else:
-            slot = memory.acquire(set(protect), not may_fail, self._running, self._release)
+            slot = memory.acquire(set(protect), not may_fail, self.states.running, self._release)
             if slot is None:
                 if may_fail:
                     return False
@@ -271,13 +272,11 @@ class LayerwiseOffloadManager:
         source = self.host.source(index, ahead)
         bounce = (self.host.pinner if self.schedule.resident[index] and self.pin_memory
                   and self._copy_is_pageable(index) else None)
-        handle = self._pending_copy[index] = self.copier.copy(
+        handle = self.copier.copy(
             self.backend, index, buffer.narrow(0, 0, layout.nbytes), source, after, views, bounce_pinner=bounce)
         self.host.copied(index, handle)
         self._point_at(index, views)
-        self._device_views[index] = views
-        self._hidden.discard(index)
-        self._materialized[index] = True
+        self.states.copied_in(index, views, handle)
         self.counters.count_copy(index, layout.nbytes)
         self._note_peaks()
         return True
@@ -289,13 +288,10 @@ class LayerwiseOffloadManager:
         self.params.point_released(index, self.store, self.config.released_params == "host", self.inference_tensors)
 
     def _release(self, index: int) -> None:
-        if not self._materialized[index]:
+        if not self.states.materialized[index]:
             return
         self._point_released(index)
-        self._materialized[index] = False
-        self._pending_copy[index] = None
-        self._hidden.discard(index)
-        self._device_views.pop(index, None)
+        self.states.released(index)
         self.device_memory.give_back(index, self.backend.mark_compute)
 
     # ----------------------------------------------------------------- public release
@@ -307,7 +303,7 @@ class LayerwiseOffloadManager:
         """
         if not 0 <= index < self.num_blocks:
             raise IndexError(f"block index {index} is outside 0..{self.num_blocks - 1}")
-        if not self._materialized[index]:
+        if not self.states.materialized[index]:
             return False
         if self.schedule is not None and self.schedule.resident[index] and not force:
             return False
@@ -345,12 +341,8 @@ class LayerwiseOffloadManager:
         self.schedule = None
         self.calls.set_plan(None)
         self.device_memory.clear()
-        self._materialized = [False] * self.num_blocks
-        self._pending_copy = [None] * self.num_blocks
-        self._running = [0] * self.num_blocks
+        self.states.clear()
         self.params.clear_views()
-        self._device_views: Dict[int, list] = {}  # what a materialized block's parameters view on the device
-        self._hidden: set = set()  # materialized blocks pointed at the host until their copy is waited for
 
     def replan(self, **changes) -> None:
         """Change resident_layers / prefetch_size / policy; takes effect at the next forward."""
@@ -369,10 +361,7 @@ class LayerwiseOffloadManager:
         self.release_all()
         self.hooks.remove()
         if self.store is not None:
-            for index in range(self.num_blocks):  # every parameter gets its own copy, then the store goes
-                with torch.inference_mode(params_are_inference(self.params.named[index])):
-                    self._point_at(index, self.host.own_copy(index, target))
-            self.host.close()
+            self.host.give_back(self.params, target)
         self.params.let_go()
         move_block_buffers(self.blocks, target)
 
@@ -406,7 +395,7 @@ class LayerwiseOffloadManager:
 
     def _pack(self, indices: Sequence[int], progress=None) -> None:
         def packed(index: int) -> None:
-            self._materialized[index] = False
+            self.states.materialized[index] = False
             self._point_released(index)  # ComfyUI's copy of the block is freed here
         self.host.pack(indices, self.params, packed, progress)
         if indices:
@@ -431,7 +420,7 @@ class LayerwiseOffloadManager:
 
     def reset_peaks(self) -> None:
         """Start the peak counters (materialized blocks, device bytes) again from what is held now."""
-        self.counters.note_peaks(sum(self._materialized), self.device_bytes(), reset=True)
+        self.counters.note_peaks(sum(self.states.materialized), self.device_bytes(), reset=True)
 
     def _note_peaks(self) -> None:
-        self.counters.note_peaks(sum(self._materialized), self.device_bytes())
+        self.counters.note_peaks(sum(self.states.materialized), self.device_bytes())
