@@ -242,7 +242,7 @@ class LayerwiseOffloadManager:
 
     # ----------------------------------------------------------------- copies
     def _materialize(self, index: int, protect: Iterable[int] = (), may_fail: bool = False, after=None) -> bool:
-        # Buffers and views are of the parameters' kind (see prepare): normal views made under
+        # Buffers and views are of the parameters' kind (see HostSide._restart): normal views made under
         # inference_mode would be unusable by autograd later, normal data in an inference parameter fails.
         with torch.inference_mode(self.inference_tensors):
             return self._copy_block_in(index, protect, may_fail, after)

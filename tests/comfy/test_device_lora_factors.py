@@ -22,6 +22,18 @@ def random_lora(patcher, rank=3):
     return lora
 
 
+def offloaded_with_lora(resident_layers):
+    """A tiny Wan 2.1 with a random LoRA behind the node (pin off), sampled once and checked bitwise against
+    ComfyUI's full load with the same LoRA; returns the offloaded patcher, its device-side LoRA and that output."""
+    base = tiny_dits.build_wan21()
+    lora = random_lora(base)
+    patcher = offload_model(comfy.sd.load_lora_for_models(base, None, lora, 0.8, 0)[0], resident_layers, 1,
+                            "leading", False)
+    want = tiny_dits.sample(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0])
+    assert torch.equal(tiny_dits.sample(patcher), want)  # the same bits as ComfyUI's full load with the LoRA
+    return patcher, patcher.attachments["layerwise_offload"].manager.copier.transform, want
+
+
 def tensors_of(value):
     if isinstance(value, torch.Tensor):
         yield value
@@ -34,13 +46,8 @@ def tensors_of(value):
 
 def test_factors_are_uploaded_once_and_comfyuis_patches_stay(monkeypatch):
     monkeypatch.setenv("LAYERWISE_OFFLOAD_CPU_LOOPBACK", "1")
-    base = tiny_dits.build_wan21()
-    lora = random_lora(base)
-    patcher = offload_model(comfy.sd.load_lora_for_models(base, None, lora, 0.8, 0)[0], 0, 1, "leading", False)
-    want = tiny_dits.sample(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0])
-    assert torch.equal(tiny_dits.sample(patcher), want)  # the same bits as ComfyUI's full load with the LoRA
+    patcher, transform, _ = offloaded_with_lora(0)
     controller = patcher.attachments["layerwise_offload"]
-    transform = controller.manager.copier.transform
     assert isinstance(transform, DeviceLora) and transform.plan
     originals = [t for entries in transform.plan.values() for _, _, patches in entries
                  for p in patches for t in tensors_of(p[1])]

@@ -14,11 +14,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import comfy.sd
 
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.device_lora import DeviceLora, patches_on_device
-from layerwise_offload.nodes.offload_node import offload_model
 
 
 
@@ -31,7 +29,7 @@ def _load(path, name):
 
 fakes = _load(Path(__file__).parents[1] / "unit" / "test_stream_ordering.py", "layerwise_offload_stream_fakes_lora")
 factors_test = _load(Path(__file__).with_name("test_device_lora_factors.py"), "layerwise_offload_lora_factors_test")
-random_lora, tensors_of = factors_test.random_lora, factors_test.tensors_of
+offloaded_with_lora, tensors_of = factors_test.offloaded_with_lora, factors_test.tensors_of
 HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item"}
 
 
@@ -61,13 +59,9 @@ class DeviceOnly(TorchDispatchMode):
 
 def test_the_lora_is_queued_on_the_copy_stream_with_no_host_sync(monkeypatch):
     monkeypatch.setenv("LAYERWISE_OFFLOAD_CPU_LOOPBACK", "1")
-    base = tiny_dits.build_wan21()
-    lora = random_lora(base)
-    patcher = offload_model(comfy.sd.load_lora_for_models(base, None, lora, 0.8, 0)[0], 1, 1, "leading", False)
-    want = tiny_dits.sample(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0])
-    assert torch.equal(tiny_dits.sample(patcher), want)  # arms and installs the hooks
+    patcher, transform, want = offloaded_with_lora(1)  # arms and installs the hooks
     controller = patcher.attachments["layerwise_offload"]
-    manager, transform = controller.manager, controller.manager.copier.transform
+    manager = controller.manager
     assert isinstance(transform, DeviceLora)
     with monkeypatch.context() as upload:  # the factors in memory of their own, as on a GPU
         upload.setattr(torch.Tensor, "to", lambda self, *args, **kwargs: self.clone())

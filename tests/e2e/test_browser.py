@@ -342,6 +342,21 @@ def _model_row(listing, name: str):
     return rows.last
 
 
+def _seen_on_screen(page, locator, what: str) -> None:
+    """What a person sees there: ``locator`` lies inside the viewport and the screenshot of its box is not blank
+    (text drawn on it: dark and light pixels both)."""
+    import io
+
+    from PIL import Image
+
+    box, viewport = locator.bounding_box(), page.viewport_size
+    assert box and box["width"] > 4 and box["height"] > 4, f"{what}: not laid out on the page"
+    assert box["x"] >= 0 and box["y"] >= 0 and box["x"] + box["width"] <= viewport["width"] + 1 and (
+        box["y"] + box["height"] <= viewport["height"] + 1), f"{what}: outside the visible page at {box}"
+    darkest, lightest = Image.open(io.BytesIO(page.screenshot(clip=box))).convert("L").getextrema()
+    assert lightest - darkest > 80, f"{what}: blank on the screenshot (grey levels {darkest}..{lightest})"
+
+
 def _close_missing_models(page) -> None:
     _close_dialogs(page)
     page.evaluate("() => window.app.graph.clear()")
@@ -383,6 +398,8 @@ def test_missing_diffusion_model_of_a_template_is_offered_for_download(page_onli
     for name in others:
         _model_row(listing, name)
     _shot(page, "missing_model_download")
+    _seen_on_screen(page, row, f"the row of {model['name']}")
+    _seen_on_screen(page, row.get_by_role("button", name=re.compile(r"^Download")).first, "its Download button")
     _record_downloads(page)
     row.get_by_role("button", name=re.compile(r"^Download")).first.click()
     page.wait_for_function("() => window.__lwoDownloads.length > 0", timeout=5_000)
