@@ -293,6 +293,11 @@ class DiskTier:
                 staging.block = None
                 staging.copy = handle
 
+    def settle_reads(self) -> None:
+        """Wait for the reads in flight; what they staged stays usable."""
+        for staging in self.ring:
+            self._settle(staging)
+
     def quiesce(self) -> None:
         """Wait for every read and every copy from the ring (before the ring is replaced or freed)."""
         for staging in self.ring:

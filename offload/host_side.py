@@ -147,8 +147,13 @@ class HostSide:
         return self.tier(index).pageable(index)
 
     def settled(self) -> None:
+        """Every copy has finished (release_all synchronized the copy stream): the disk tier's reads ahead are
+        waited for too, so a model dropped right after its release frees its cache file at once (a read in flight
+        holds the file open until it ends)."""
         if self.ram is not None:
             self.ram.settled()
+        if self.disk is not None:
+            self.disk.settle_reads()
 
     # ----------------------------------------------------------------- packing
     def outdated(self, params) -> List[int]:

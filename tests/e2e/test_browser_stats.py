@@ -61,6 +61,33 @@ def _colour_pixels(page, box: dict, name: str) -> dict:
     return counts
 
 
+# The SaveImage node's preview: loaded images of this run, and the node's box on screen (CSS pixels).
+_SAVE_IMAGE_PREVIEW = """() => { const n = window.app.graph._nodes.find(n => n.type === 'SaveImage');
+        const imgs = (n?.imgs ?? []).filter(i => i.src.includes('tiny_wan21') && i.complete && i.naturalWidth > 0);
+        if (!imgs.length) return null;
+        const ds = window.app.canvas.ds, r = window.app.canvas.canvas.getBoundingClientRect();
+        return {images: imgs.length, x: r.left + (n.pos[0] + ds.offset[0]) * ds.scale,
+                y: r.top + (n.pos[1] + ds.offset[1]) * ds.scale, w: n.size[0] * ds.scale, h: n.size[1] * ds.scale}; }"""
+
+
+def _assert_save_image_preview_drawn(page, name: str) -> None:
+    """The SaveImage node holds this run's images, loaded, and the lower half of its box in the screenshot (where
+    the preview goes, under the filename widget) shows a picture: many colours, not the node's flat background."""
+    from PIL import Image
+
+    page.wait_for_function(f"() => ({_SAVE_IMAGE_PREVIEW})() !== null", timeout=30_000)
+    page.evaluate("() => window.app.canvas.setDirty(true, true)")
+    page.wait_for_timeout(300)  # drawn on the next frame
+    box = page.evaluate(_SAVE_IMAGE_PREVIEW)
+    _shot(page, name)
+    with Image.open(ARTIFACTS / f"browser_{name}.png") as im:
+        rgb = im.convert("RGB")
+        left, top = max(0, int(box["x"])), max(0, int(box["y"] + box["h"] / 2))
+        crop = rgb.crop((left, top, min(rgb.width, int(box["x"] + box["w"])), min(rgb.height, int(box["y"] + box["h"]))))
+        colours = len(set(zip(*[iter(crop.tobytes())] * 3)))
+    assert crop.width > 20 and crop.height > 20 and colours > 50, (box, crop.size, colours)
+
+
 def _opening_zoom(page) -> float:
     return page.evaluate("() => window.app.canvas.ds.scale")
 
@@ -79,10 +106,9 @@ def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
     prompt = entry["prompt"][2]
     assert any(n["class_type"] == NODE for n in prompt.values())
     assert comfy_server.output_files(entry, "latents") and comfy_server.output_files(entry, "images")
-    # The SaveImage node shows the decoded frames on the page.
-    page.wait_for_function("""() => [...document.querySelectorAll('img')]
-        .some(i => i.src.includes('/view') && i.src.includes('tiny_wan21'))""", timeout=30_000)
-    _shot(page, "tiny_demo")
+    # The SaveImage node shows the decoded frames on the page (its own preview: the finished-job toast's thumbnail
+    # is gone after a few seconds), drawn in its box in the screenshot.
+    _assert_save_image_preview_drawn(page, "tiny_demo")
     # ... and the stats node draws the run at the zoom the page opened at: the lines the server sent, the block map
     # (2 in VRAM, 2 streamed, in call order) in its colours, in pixels of the screenshot, and a title that reads.
     assert _opening_zoom(page) == zoom
