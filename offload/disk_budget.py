@@ -20,8 +20,8 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .checkpoint_file import is_mapped
-
 from .config import HOST_STORES
+from .file_mappings import MappedFiles
 
 __all__ = ["HOST_STORES", "PACKING_SLACK_BYTES", "RAM_MARGIN_BYTES", "TierPlan", "freed_by_packing",
            "plan_host_tiers", "refusal"]
@@ -43,13 +43,14 @@ def _holders(tensor: torch.Tensor, out: List[torch.Tensor]) -> None:
         out.append(tensor)
 
 
-def freed_by_packing(params: Sequence[torch.Tensor]) -> int:
+def freed_by_packing(params: Sequence[torch.Tensor], mapped_files: Optional[MappedFiles] = None) -> int:
     """Host bytes freed once ``params`` (one block's weights) point into the store instead of their storages.
 
     A storage is freed when the block's own tensors are its only holders: PyTorch's storage use count then equals
     their number (plus the one reference this function holds while it counts). Device storages free no host
-    memory. Without the use-count API (a PyTorch that lacks it) every host storage is taken as freed, which is
-    what packing does to weights nobody else shares.
+    memory, nor do storages over a mapped file (a checkpoint our loader mapped, or one in ``mapped_files``, as
+    ComfyUI-GGUF maps the .gguf): their bytes are page cache. Without the use-count API (a PyTorch that lacks it)
+    every other host storage is taken as freed, which is what packing does to weights nobody else shares.
     """
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     holders: List[torch.Tensor] = []
@@ -57,7 +58,8 @@ def freed_by_packing(params: Sequence[torch.Tensor]) -> int:
         _holders(param, holders)
     storages = {}
     for tensor in holders:
-        if tensor.device.type != "cpu" or is_mapped(tensor):  # a mapped checkpoint's pages are not anonymous RAM
+        if tensor.device.type != "cpu" or is_mapped(tensor) or (
+                mapped_files is not None and mapped_files.holds_storage(tensor)):
             continue
         storage = tensor.untyped_storage()
         entry = storages.setdefault(storage.data_ptr(), [storage, 0])

@@ -14,6 +14,7 @@ from .disk_budget import (PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed
                           refusal)
 from .disk_file import padded
 from .disk_tier import DiskTier
+from .file_mappings import MappedFiles
 from .host_memory import available_host_bytes, pinnable_bytes
 from .pinning import default_pinner, return_freed_host_memory
 from .host_store import HostStore, _packed_sources, block_parameters, params_are_inference, plan_layout
@@ -194,8 +195,11 @@ class HostSide:
             if plan.disk_blocks:
                 log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s) in %s", plan.disk_blocks,
                          len(self.blocks), plan.reason, self.disk_folder or default_disk_folder())
+        # Another loader's read-only file mappings (ComfyUI-GGUF's .gguf): disk blocks are read from the file, and
+        # the pages packing the others reads through the mapping are given back.
+        mapped_files = MappedFiles() if indices else None
         for done, index in enumerate(indices, 1):
-            params.repacked(index, self._pack(index))
+            params.repacked(index, self._pack(index, mapped_files))
             packed(index)
             # The CPU weights packing replaced: glibc keeps freed heap pages unless trimmed, and on a host
             # short of RAM the next block's buffer must find them returned.
@@ -218,7 +222,9 @@ class HostSide:
         waiting_set = set(waiting)
         named = [block_parameters(block) for block in self.blocks]
         sizes = [plan_layout(n).nbytes for n in named]
-        freed = [freed_by_packing([p for _, p in n]) if i in waiting_set else 0 for i, n in enumerate(named)]
+        mapped_files = MappedFiles() if waiting_set else None
+        freed = [freed_by_packing([p for _, p in n], mapped_files) if i in waiting_set else 0
+                 for i, n in enumerate(named)]
         disk = self.disk
         ring = self.ring_size
         return plan_host_tiers(
@@ -241,7 +247,7 @@ class HostSide:
             return ["disk" if d else "ram" for d in plan.disk]
         return ["disk" if self.disk is not None and self.disk.holds(i) else "ram" for i in range(len(self.blocks))]
 
-    def _pack(self, index: int) -> list:
+    def _pack(self, index: int, mapped_files: Optional[MappedFiles] = None) -> list:
         plan = self.tier_plan
         on_disk = (self.disk is not None and self.disk.holds(index)) or (plan is not None and plan.disk[index])
         ring = plan.ring_bytes if plan is not None else 0
@@ -257,7 +263,7 @@ class HostSide:
             named = block_parameters(self.blocks[index])
             layout = self.store.layouts[index] = plan_layout(named)
             sources = _packed_sources(layout)
-            found = checkpoint_extents(layout, sources) if on_disk else None
+            found = checkpoint_extents(layout, sources, mapped_files) if on_disk else None
             extents = None if found is None else found[0]
             if extents is not None:  # the checkpoint is the block's host copy: nothing to write
                 self.store.set_pinned(index, False)
@@ -276,6 +282,8 @@ class HostSide:
             if extents is None:
                 # Packed from a mapped checkpoint: the pages read on the way are the file's, not needed again.
                 drop_cached_pages(sources)
+                if mapped_files is not None:
+                    mapped_files.drop_pages(sources)
             del sources
         return named
 
@@ -371,14 +379,17 @@ class HostSide:
 CONVERTED_SHARE_LIMIT = 1 / 16
 
 
-def checkpoint_extents(layout, sources):
+def checkpoint_extents(layout, sources, mapped_files: Optional[MappedFiles] = None):
     """``(extents, kept)`` for a block read from a mapped checkpoint: extents [(path, file offset, nbytes, offset in
     the layout)] of the entries that are byte for byte a contiguous tensor of the file, kept [(entry index,
     tensor)] for the rest (held in RAM); None when no entry is the file's, or the rest is more than
-    :data:`CONVERTED_SHARE_LIMIT` of the block (``sources``: the entries' tensors now)."""
+    :data:`CONVERTED_SHARE_LIMIT` of the block (``sources``: the entries' tensors now). The file is one our loader
+    mapped, or one in ``mapped_files`` (another loader's read-only mapping)."""
     extents, kept, kept_bytes = [], [], 0
     for position, (entry, source) in enumerate(zip(layout.entries, sources)):
         where = locate(source)
+        if where is None and mapped_files is not None:
+            where = mapped_files.locate(source)
         if where is None or where[2] != entry.span_elements * entry.dtype.itemsize or source.dtype != entry.dtype:
             kept.append((position, source))
             kept_bytes += entry.span_elements * entry.dtype.itemsize

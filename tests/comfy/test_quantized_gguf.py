@@ -6,6 +6,8 @@ the weights), and the bytes on the wire per forward are the streamed blocks' qua
 variant is tests/e2e/test_gguf_server.py.
 """
 
+import os
+
 import pytest
 import torch
 
@@ -94,6 +96,14 @@ def test_gguf_offloaded_equals_comfyui_gguf(gguf, qtype, host_store, monkeypatch
             streamed = [i for i in range(NUM_BLOCKS) if not manager.schedule.resident[i]]
             assert stats.copies_last_forward == len(streamed)
             assert stats.bytes_copied_last_forward == sum(manager.block_nbytes()[i] for i in streamed)
+            if host_store == "disk":
+                # ComfyUI-GGUF maps the .gguf read-only and its weights are views of it: the disk tier reads the
+                # blocks from that file, byte for byte, and writes no cache file.
+                disk = manager.host.disk
+                assert sorted(disk.extents) == list(range(NUM_BLOCKS))
+                assert {path for extents in disk.extents.values() for path, *_ in extents} == {
+                    os.path.realpath(folder_paths.get_full_path("diffusion_models", f"tiny_wan21_{qtype}.gguf"))}
+                assert not [name for name in os.listdir(tmp_path) if name.startswith("layerwise-offload-")]
             mm.unload_all_models()
 
 

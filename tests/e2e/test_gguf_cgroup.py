@@ -1,0 +1,125 @@
+"""GGUF on a host short of RAM: ComfyUI-GGUF's loader (unmodified, from shared/peers) -> the node, in a fresh server
+inside a memory cgroup that holds the server and half the .gguf file, runs to the end wherever ComfyUI-GGUF alone
+does there, bitwise equal, and reads the blocks that do not fit in RAM straight from the .gguf (ComfyUI-GGUF maps
+the file read-only and its weights are views of it): no cache file is written, the file is never changed.
+
+The model is a real ComfyUI Wan 2.1 of tiny activations and 16 F16 blocks of 32 MiB (0.5 GiB). On the CPU loopback
+the manager's "VRAM" (two streaming slots) is host memory too, so the limit has room for them, as a GPU would hold
+them in VRAM. Skipped where no memory cgroup can be made, or where shared/peers or gguf is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+
+import pytest
+import torch
+
+from layerwise_offload.devtools import e2e_assets, peers, tiny_dits
+from layerwise_offload.devtools.quantized_models import save_gguf, save_tiny_wan21_gguf
+from layerwise_offload.devtools.server import prepare_base_dir
+
+from .conftest import CPU_LOOPBACK_ENV
+from .test_host_ram_cgroup import Cgroup, ServerInCgroup
+from .test_host_rss import anon_rss, one_step_prompt, settled_rss, unload_everything
+from .test_loader_cgroup import drop_page_cache
+from .test_server import saved_latent
+
+pytest.importorskip("gguf", reason="the gguf package (a dev package of scripts/setup_env.sh) is not installed")
+if peers.peer_tarball() is None:
+    pytest.skip(f"no shared/peers/{peers.GGUF_TARBALL} beside the repository (set LAYERWISE_OFFLOAD_SHARED)",
+                allow_module_level=True)
+
+MODEL_NAME = "layerwise_offload_big_wan21_F16.gguf"
+WARM_NAME = "layerwise_offload_tiny_wan21_F16.gguf"
+CONFIG = dict(tiny_dits.WAN21_TINY_CONFIG, dim=1024, num_heads=8, ffn_dim=4096, num_layers=16)
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def gguf_cgroup_server(tmp_path_factory, tiny_assets):
+    cgroup = Cgroup()
+    base = prepare_base_dir(tmp_path_factory.mktemp("gguf_cgroup_base"))
+    peers.unpack_peer(base / "custom_nodes")
+    (base / "models" / "vae" / tiny_assets["vae"].split("/")[-1]).symlink_to(tiny_assets["vae"])
+    shutil.copytree(tiny_assets["cond"], base / "output" / e2e_assets.TINY_COND_FOLDER)
+    models = base / "models" / "diffusion_models"
+    save_tiny_wan21_gguf(models / WARM_NAME, "F16", seed=0)
+    patcher = tiny_dits._build("WAN21_T2V", CONFIG, 11, torch.float32)
+    state = {k: v.detach().contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
+    del patcher
+    path = models / MODEL_NAME
+    save_gguf(state, path, "F16")
+    block = sum(t.nbytes for k, t in state.items() if k.startswith("blocks.0.") and t.ndim == 2) // 2 + sum(
+        t.nbytes for k, t in state.items() if k.startswith("blocks.0.") and t.ndim != 2)
+    non_block = sum(t.nbytes for k, t in state.items() if not k.startswith("blocks."))
+    del state
+    server = ServerInCgroup(cgroup, base, cpu=True, env={CPU_LOOPBACK_ENV: "1"}, extra_args=["--disable-api-nodes"])
+    try:
+        server.start(timeout=300)
+        yield server, cgroup, path, block, non_block
+    finally:
+        server.stop()
+        cgroup.remove()
+
+
+def gguf_prompt(name, prefix, offload=None):
+    prompt = one_step_prompt(offload=offload, prefix=prefix)
+    prompt["1"] = {"class_type": "UnetLoaderGGUF", "inputs": {"unet_name": name}}
+    return prompt
+
+
+def run(server, cgroup, limit, prefix, offload=None):
+    drop_page_cache(server.base_dir / "models" / "diffusion_models" / MODEL_NAME)
+    unload_everything(server)
+    rss_before = settled_rss(server.proc.pid)
+    cgroup.set_limit(limit)
+    cgroup.reset_peak()
+    started = time.perf_counter()
+    try:
+        entry = server.run_prompt(gguf_prompt(MODEL_NAME, prefix, offload), timeout=600)
+        rss = anon_rss(server.proc.pid)
+    finally:
+        peak = cgroup.peak()
+        cgroup.set_limit(None)
+    print(f"\n[layerwise-offload] {prefix}: limit {limit / MiB:.0f} MiB, cgroup peak {peak / MiB:.0f} MiB, server "
+          f"anonymous RSS {(rss - rss_before) / MiB:+.0f} MiB, prompt {time.perf_counter() - started:.1f} s")
+    return saved_latent(server, entry), rss - rss_before
+
+
+def test_gguf_in_half_its_size_runs_from_the_gguf_file_wherever_comfyui_gguf_alone_does(gguf_cgroup_server):
+    server, cgroup, path, block, non_block = gguf_cgroup_server
+    before_file = (path.stat().st_size, path.stat().st_mtime_ns)
+    offload = {"resident_layers": 0, "prefetch_size": 1, "host_store": "auto"}
+    server.run_prompt(gguf_prompt(WARM_NAME, "ggufcg/warm", offload))  # imports, caches: the tiny GGUF
+    unload_everything(server)
+    # The server as it is, half the .gguf on top, and the loopback's two streaming slots ("VRAM" on a GPU).
+    limit = cgroup.usage() + path.stat().st_size // 2 + 2 * block
+    alone, _ = run(server, cgroup, limit, "ggufcg/alone")
+    log_start = len(server.log_text())
+    got, grown = run(server, cgroup, limit, "ggufcg/auto", offload)
+    assert torch.equal(got, alone), "not ComfyUI-GGUF's latent"
+    log = server.log_text()[log_start:]
+    for line in log.splitlines():
+        if "[layerwise-offload]" in line and ("on disk" in line or "from the checkpoint" in line):
+            print(line[line.index("[layerwise-offload]"):][:300])
+    on_disk = re.search(r"host store: (\d+) of (\d+) blocks on disk", log)
+    from_file = re.search(r"(\d+) disk blocks read straight from the checkpoint \(nothing written for them\), "
+                          r"(\d+) from the cache file", log)
+    assert on_disk and from_file, server.log_tail(30)
+    assert int(from_file.group(1)) == int(on_disk.group(1)) > 0 and from_file.group(2) == "0", (
+        on_disk.group(0), from_file.group(0))
+    # Anonymous RAM: the blocks auto kept in RAM, the staging ring (prefetch 1 + 2 blocks), the loopback's two
+    # slots, the non-block weights, 5 % and 64 MiB of slack; never the blocks read from the file.
+    in_ram = int(on_disk.group(2)) - int(on_disk.group(1))
+    allowed = 1.05 * (non_block + (3 + in_ram) * block) + 2 * block + 64 * MiB
+    assert grown <= allowed, f"RSS grew {grown / MiB:.0f} MiB, allowed {allowed / MiB:.0f}"
+
+    unload_everything(server)
+    assert server.alive()
+    assert (path.stat().st_size, path.stat().st_mtime_ns) == before_file  # the .gguf is never written
+    folder = server.base_dir / "temp" / "layerwise-offload"
+    assert not folder.exists() or not [n for n in os.listdir(folder) if n.startswith("layerwise-offload-")]
