@@ -281,18 +281,20 @@ def plan_note(key: str, setting: str) -> str:
         text += (" 0*: even with every block streamed the activations do not fit that card; auto streams "
                  "everything, and fewer frames or a lower resolution is the fix if it runs out of memory.")
     both = " (both experts)" if t["experts"] > 1 else ""
-    if key not in FROM_CHECKPOINT:
+    if key not in LEFT_IN_THE_FILE:
         return text + (f"\n\nSystem RAM needed: about {t['ram_bytes'] / GB:.0f} GB: the diffusion model{both} "
                        f"{t['dit_bytes'] / GB:.1f} GB, plus the text encoder, the VAE and ComfyUI.")
     full, least = f"{t['ram_bytes'] / GB:.0f} GB", f"{memory.disk_tier_ram_bytes(PLANS, t) / GB:.0f} GB"
-    return text + (f"\n\n**System RAM: about {full} for full speed, {least} at the least.** With {full} every "
-                   f"streamed block stays in RAM: the diffusion model{both} {t['dit_bytes'] / GB:.1f} GB, plus the "
-                   f"text encoder, the VAE and ComfyUI. With less it still runs, down to about {least}, slower: "
-                   f"*Load Diffusion Model (Layerwise)* leaves the weights in the .safetensors file instead of "
-                   f"copying them into RAM, and `host_store = auto` reads the blocks that do not fit in RAM straight "
-                   f"from that file at each step (each costs its read time; a fast NVMe SSD helps; the Stats node "
-                   f"counts them). ComfyUI's own *Load Diffusion Model* takes the same inputs but copies the whole "
-                   f"model into RAM: with it, the full {full} is needed.")
+    text += (f"\n\n**System RAM: about {full} for full speed, {least} at the least.** With {full} every "
+             f"streamed block stays in RAM: the diffusion model{both} {t['dit_bytes'] / GB:.1f} GB, plus the "
+             f"text encoder, the VAE and ComfyUI. With less it still runs, down to about {least}, slower: ")
+    reads = ("`host_store = auto` reads the blocks that do not fit in RAM straight from that file at each step (each "
+             "costs its read time; a fast NVMe SSD helps; the Stats node counts them).")
+    if key not in FROM_CHECKPOINT:  # the GGUF template: ComfyUI-GGUF's loader maps the .gguf
+        return text + f"*Unet Loader (GGUF)* maps the .gguf file instead of copying it into RAM, and {reads}"
+    return text + (f"*Load Diffusion Model (Layerwise)* leaves the weights in the .safetensors file instead of "
+                   f"copying them into RAM, and {reads} ComfyUI's own *Load Diffusion Model* takes the same inputs "
+                   f"but copies the whole model into RAM: with it, the full {full} is needed.")
 
 
 def min_card(key: str) -> int:
@@ -300,11 +302,14 @@ def min_card(key: str) -> int:
     return next(c for c, r in zip(PLANS["cards_gib"], t["resident"]) if r is not None)
 
 
-#: The templates whose diffusion model(s) load through Load Diffusion Model (Layerwise), so they run from the
-#: disk-tier RAM figure up. The GGUF one keeps ComfyUI-GGUF's loader (a .gguf file is not ours to map), the tiny
-#: demo ComfyUI's own (19 MB: RAM is no question there, and it shows the node on the stock loader).
+#: The templates whose diffusion model(s) load through Load Diffusion Model (Layerwise). The GGUF one keeps
+#: ComfyUI-GGUF's loader, the tiny demo ComfyUI's own (19 MB: RAM is no question there, and it shows the node on
+#: the stock loader).
 FROM_CHECKPOINT = frozenset({"flux1_dev", "wan21_t2v_14b", "wan22_t2v_a14b", "wan22_t2v_a14b_fp8", "qwen_image",
                              "hunyuan_video"})
+#: The templates that run from the disk-tier RAM figure up: their loader leaves the blocks in the model file (ours
+#: maps the .safetensors, ComfyUI-GGUF's the .gguf, both read-only) and the disk tier reads them from there.
+LEFT_IN_THE_FILE = FROM_CHECKPOINT | {"wan22_t2v_a14b_gguf"}
 
 
 def _ram_range(key: str) -> str:
@@ -321,7 +326,7 @@ def file_name(key: Optional[str], title: str) -> str:
     if key is None:
         return f"{title}.json"
     t = memory.plan_for(PLANS, key)
-    ram = _ram_range(key) if key in FROM_CHECKPOINT else f"{t['ram_bytes'] / GB:.0f} GB RAM"
+    ram = _ram_range(key) if key in LEFT_IN_THE_FILE else f"{t['ram_bytes'] / GB:.0f} GB RAM"
     return f"{title}, {ram}, {min_card(key)}+ GB GPU.json"
 
 
@@ -330,7 +335,7 @@ def card_spec(key: Optional[str], card_title: str, subtitle: str) -> Dict[str, A
     if key is None:
         return cards.demo_spec(card_title, subtitle, 4, "python demo/install_tiny_demo.py")
     t = memory.plan_for(PLANS, key)
-    low = memory.disk_tier_ram_bytes(PLANS, t) if key in FROM_CHECKPOINT else None
+    low = memory.disk_tier_ram_bytes(PLANS, t) if key in LEFT_IN_THE_FILE else None
     return cards.model_spec(card_title, subtitle, PLANS, t, low)
 
 

@@ -165,22 +165,27 @@ def test_workflows_notes_pictures_and_readme_are_written_from_the_plans(capsys):
 
 
 def test_real_safetensors_templates_load_through_the_layerwise_loader():
-    """The real-model .safetensors templates load their DiT(s) with Load Diffusion Model (Layerwise), carry its
-    download (the frontend's missing-models dialog) and say in their name both RAM figures; the GGUF one keeps
-    ComfyUI-GGUF's loader and the tiny demo ComfyUI's, each with one RAM figure (or none)."""
+    """The real-model .safetensors templates load their DiT(s) with Load Diffusion Model (Layerwise) and carry its
+    download (the frontend's missing-models dialog); the GGUF one keeps ComfyUI-GGUF's loader (it maps the .gguf
+    read-only, so the disk tier reads from that file too). Those say in their name both RAM figures; the tiny demo
+    keeps ComfyUI's loader and names none."""
     from layerwise_offload.devtools import make_workflows, template_memory
-    from layerwise_offload.devtools.workflow_graph import FROM_CHECKPOINT, MODEL_URLS
+    from layerwise_offload.devtools.workflow_graph import FROM_CHECKPOINT, LEFT_IN_THE_FILE, MODEL_URLS
 
     plans = template_memory.load_plans()
     assert FROM_CHECKPOINT == {"flux1_dev", "wan21_t2v_14b", "wan22_t2v_a14b", "wan22_t2v_a14b_fp8", "qwen_image",
                                "hunyuan_video"}
+    assert LEFT_IN_THE_FILE == FROM_CHECKPOINT | {"wan22_t2v_a14b_gguf"}
     for key, title, *_ in make_workflows.TEMPLATES:
         name = make_workflows.file_name(key, title)
         wf = _load(REPO / "workflows" / name)
         loaders = [n for n in wf["nodes"] if n["type"] in LOADERS]
         if key not in FROM_CHECKPOINT:
             assert {n["type"] for n in loaders} == {"UnetLoaderGGUF" if key else "UNETLoader"}, name
-            assert "for full speed" not in name
+            assert ("for full speed" in name) == (key in LEFT_IN_THE_FILE), name
+            if key in LEFT_IN_THE_FILE:
+                note = next(n for n in wf["nodes"] if n["type"] == "MarkdownNote")["widgets_values"][0]
+                assert "*Unet Loader (GGUF)* maps the .gguf file" in note and "host_store = auto" in note, note
             continue
         assert loaders and {n["type"] for n in loaders} == {LAYERWISE_LOADER}, name
         for n in loaders:
