@@ -7,7 +7,6 @@ this module's own (another custom node pack in custom_nodes); skipped where shar
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 

@@ -240,7 +240,7 @@ def test_the_templates_layerwise_loader_runs_the_tiny_model_like_comfyuis(comfy_
     got = latent(swapped, "e2e/templates_loader")
     assert torch.equal(got, want)
     log = comfy_server.log_text()[log_before:]
-    assert f"[layerwise-offload] loaded" in log and "left in the file" in log, log[-3000:]
+    assert "[layerwise-offload] loaded" in log and "left in the file" in log, log[-3000:]
 
 
 def _readme_rows():

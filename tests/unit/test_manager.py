@@ -1,6 +1,5 @@
 """The offload engine on the CPU loopback: bitwise output, residency, bounds, release and detach."""
 
-import itertools
 import logging
 
 import pytest
