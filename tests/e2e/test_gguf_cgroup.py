@@ -22,8 +22,7 @@ from layerwise_offload.devtools import e2e_assets, peers, tiny_dits
 from layerwise_offload.devtools.quantized_models import save_gguf, save_tiny_wan21_gguf
 from layerwise_offload.devtools.server import prepare_base_dir
 
-from .conftest import CPU_LOOPBACK_ENV
-from .test_host_ram_cgroup import Cgroup, ServerInCgroup
+from .test_host_ram_cgroup import Cgroup, server_in
 from .test_host_rss import anon_rss, one_step_prompt, settled_rss, unload_everything
 from .test_loader_cgroup import drop_page_cache
 from .test_server import saved_latent
@@ -57,13 +56,8 @@ def gguf_cgroup_server(tmp_path_factory, tiny_assets):
         t.nbytes for k, t in state.items() if k.startswith("blocks.0.") and t.ndim != 2)
     non_block = sum(t.nbytes for k, t in state.items() if not k.startswith("blocks."))
     del state
-    server = ServerInCgroup(cgroup, base, cpu=True, env={CPU_LOOPBACK_ENV: "1"}, extra_args=["--disable-api-nodes"])
-    try:
-        server.start(timeout=300)
+    with server_in(cgroup, base) as server:
         yield server, cgroup, path, block, non_block
-    finally:
-        server.stop()
-        cgroup.remove()
 
 
 def gguf_prompt(name, prefix, offload=None):

@@ -11,6 +11,7 @@ root, no memory controller) skips with the reason.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -102,6 +103,18 @@ class ServerInCgroup(ComfyServer):
         return ["sh", "-c", f'echo $$ > "{procs}" && exec "$@"', "sh"] + super().command()
 
 
+@contextlib.contextmanager
+def server_in(cgroup: Cgroup, base):
+    """A started --cpu server (CPU loopback) inside ``cgroup``; stopped, and the cgroup removed, afterwards."""
+    server = ServerInCgroup(cgroup, base, cpu=True, env={CPU_LOOPBACK_ENV: "1"}, extra_args=["--disable-api-nodes"])
+    try:
+        server.start(timeout=300)
+        yield server
+    finally:
+        server.stop()
+        cgroup.remove()
+
+
 @pytest.fixture(scope="module")
 def cgroup_server(tmp_path_factory, tiny_assets):
     cgroup = Cgroup()
@@ -117,13 +130,8 @@ def cgroup_server(tmp_path_factory, tiny_assets):
     block = sum(t.nbytes for k, t in state.items() if k.startswith("blocks.0."))
     blocks = sum(t.nbytes for k, t in state.items() if k.startswith("blocks."))
     del patcher, state
-    server = ServerInCgroup(cgroup, base, cpu=True, env={CPU_LOOPBACK_ENV: "1"}, extra_args=["--disable-api-nodes"])
-    try:
-        server.start(timeout=300)
+    with server_in(cgroup, base) as server:
         yield server, cgroup, weights, block, blocks
-    finally:
-        server.stop()
-        cgroup.remove()
 
 
 def run(server, cgroup, limit, prefix, offload=None):

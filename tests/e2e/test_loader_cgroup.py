@@ -25,8 +25,7 @@ import torch
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.devtools.server import PromptFailed, prepare_base_dir
 
-from .conftest import CPU_LOOPBACK_ENV
-from .test_host_ram_cgroup import Cgroup, ServerInCgroup
+from .test_host_ram_cgroup import Cgroup, server_in
 from .test_host_rss import anon_rss, one_step_prompt, settled_rss, unload_everything
 from .test_server import saved_latent
 
@@ -63,13 +62,8 @@ def big_server(tmp_path_factory, tiny_assets):
     path = base / "models" / "diffusion_models" / MODEL_NAME
     figures = write_big_wan(path)
     assert path.stat().st_size >= 2 * 2**30
-    server = ServerInCgroup(cgroup, base, cpu=True, env={CPU_LOOPBACK_ENV: "1"}, extra_args=["--disable-api-nodes"])
-    try:
-        server.start(timeout=300)
+    with server_in(cgroup, base) as server:
         yield server, cgroup, path, figures
-    finally:
-        server.stop()
-        cgroup.remove()
 
 
 def drop_page_cache(path) -> None:
