@@ -10,6 +10,7 @@ import comfy.patcher_extension
 
 from ..offload import POLICIES, OffloadConfig, resolve_resident_count
 from ..offload.config import HOST_STORES
+from ..offload.disk_file import disk_tier_unsupported
 from ..offload.host_side import DISK_DIR_ENV
 from .discovery import SUPPORTED_FAMILIES, discover_blocks
 from .dynamic_vram import non_dynamic_patcher, watch_clones
@@ -97,6 +98,8 @@ def residency_policy_problem(value) -> "str | None":
 
 def host_store_problem(value) -> "str | None":
     """Why ``value`` is not a host_store choice (checked when the prompt is queued), or None."""
+    if value == "disk" and disk_tier_unsupported() is not None:
+        return f"host_store = disk: {disk_tier_unsupported()}; use auto or ram"
     if value is None or value in HOST_STORES:
         return None
     return f"host_store must be one of {', '.join(map(repr, HOST_STORES))}, got {value!r}"

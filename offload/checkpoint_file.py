@@ -6,8 +6,9 @@ tensor whose bytes lie inside one of the mappings made here is the file's tensor
 conversion on the way (a dtype cast, a concatenated key, a LoRA bake into a new tensor) makes a tensor in other
 memory, so it is noticed without anyone having to report it.
 
-The file is opened O_RDONLY and mapped MAP_PRIVATE: pages are the page cache's (reclaimable, never anonymous RAM
-until written) and a write into a weight in place stays private to the process, never reaching the file.
+The file is opened read-only and mapped private (copy-on-write): pages are the page cache's (reclaimable, never
+anonymous RAM until written) and a write into a weight in place stays private to the process, never reaching the
+file.
 
 Format (safetensors): an 8-byte little-endian header length, a JSON header ``{name: {dtype, shape,
 data_offsets: [begin, end]}, "__metadata__": {...}}``, then the data; offsets count from the data's start.
@@ -114,17 +115,15 @@ class CheckpointFile:
 
     def __init__(self, path: str):
         self.path = os.path.realpath(path)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            self.size = os.fstat(fd).st_size
-            head = os.pread(fd, 8, 0)
+        with open(self.path, "rb") as file:  # a file object: binary on every platform, no os.pread needed
+            self.size = os.fstat(file.fileno()).st_size
+            head = file.read(8)
             length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            head += os.pread(fd, min(length, MAX_HEADER_BYTES), 8) if length else b""
+            head += file.read(min(length, MAX_HEADER_BYTES)) if length else b""
             self.tensors, self.metadata, self.data_start = parse_header(self.path, head, self.size)
-            # PROT_WRITE on a private mapping: torch wants writable memory; writes are copy-on-write.
-            self._area = _Mapping(fd, self.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+            # A private (copy-on-write) mapping, writable as torch wants: writes stay in the process. ACCESS_COPY
+            # is MAP_PRIVATE on POSIX and FILE_MAP_COPY on Windows.
+            self._area = _Mapping(file.fileno(), self.size, access=mmap.ACCESS_COPY)
         probe = torch.frombuffer(self._area, dtype=torch.uint8, count=1)
         self.base = probe.data_ptr()
         del probe
@@ -199,6 +198,8 @@ def drop_cached_pages(tensors) -> None:
                 pass
         first = offset // page * page  # the page cache drops only pages no process maps: the wide range is safe
         spans.setdefault(path, []).append((first, -(-(offset + nbytes) // page) * page - first))
+    if not hasattr(os, "posix_fadvise"):  # Windows, macOS: the OS keeps the pages as standby cache
+        return
     for path, ranges in spans.items():
         fd = os.open(path, os.O_RDONLY)
         try:

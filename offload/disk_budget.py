@@ -162,18 +162,22 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     return TierPlan(best.disk, best.peak_bytes, best.growth_bytes, best.ring_bytes, available, margin, reason)
 
 
-def refusal(plan: TierPlan, settings: str, ring_blocks: int, num_blocks: int) -> str:
+def refusal(plan: TierPlan, settings: str, ring_blocks: int, num_blocks: int,
+            no_disk_tier: Optional[str] = None) -> str:
     """The message refusing a packing ``plan`` that does not fit, with what helps (``settings``: the caller's
-    settings as the user named them; ``ring_blocks``: the staging ring's size in blocks)."""
+    settings as the user named them; ``ring_blocks``: the staging ring's size in blocks; ``no_disk_tier``: why
+    this platform has none, so the disk tier is not offered)."""
     mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
     head = (f"[layerwise-offload] host memory is short: packing the blocks needs {mib(plan.peak_bytes)} more "
             f"at its peak (ComfyUI's copy of each block is freed as it is packed) but only "
             f"{mib(plan.available_bytes)} is available ({settings}).")
     if plan.disk_blocks < num_blocks:
+        disk = (f"host_store = disk (the blocks' host copies live in a cache file on disk, RAM holds a staging ring "
+                f"of {ring_blocks} blocks), " if no_disk_tier is None else "")
+        platform = f" (No disk tier here: {no_disk_tier}.)" if no_disk_tier is not None else ""
         return (f"{head} Every block is kept in host RAM whatever resident_layers is, so raising it does not help. "
-                f"What helps: host_store = disk (the blocks' host copies live in a cache file on disk, RAM holds "
-                f"a staging ring of {ring_blocks} blocks), unload other models (or restart "
-                f"ComfyUI), a smaller checkpoint or an fp8/GGUF one, pin_memory off, or more RAM.")
+                f"What helps: {disk}unload other models (or restart ComfyUI), a smaller checkpoint or an fp8/GGUF "
+                f"one, pin_memory off, or more RAM.{platform}")
     return (f"{head} Even with every block on disk the staging ring ({mib(plan.ring_bytes)}) does not fit. "
             f"What helps: prefetch_size 1, unload other models (or restart ComfyUI), an fp8/GGUF checkpoint, "
             f"or more RAM.")

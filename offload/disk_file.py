@@ -19,6 +19,7 @@ import logging
 import mmap
 import os
 import re
+import sys
 import uuid
 import weakref
 from typing import Optional, Set
@@ -27,7 +28,20 @@ import torch
 
 log = logging.getLogger("layerwise_offload")
 
-__all__ = ["ALIGN", "DiskTierError", "CacheFile", "padded", "remove_stale_files", "aligned_buffer"]
+__all__ = ["ALIGN", "DiskTierError", "CacheFile", "padded", "remove_stale_files", "aligned_buffer",
+           "disk_tier_unsupported"]
+
+# What the disk tier's reads and writes need from the OS: positioned vectored I/O and page-cache advice.
+_NEEDED = ("preadv", "pwrite", "posix_fadvise", "fdatasync")
+
+
+def disk_tier_unsupported() -> Optional[str]:
+    """Why this platform cannot hold a disk tier (Windows and macOS lack calls it needs), or None."""
+    missing = [name for name in _NEEDED if not hasattr(os, name)]
+    if not missing:
+        return None
+    return (f"the disk tier needs os.{', os.'.join(missing)}, which Python on this platform ({sys.platform}) does "
+            f"not have")
 
 ALIGN = 4096
 PREFIX = "layerwise-offload-"
@@ -51,6 +65,8 @@ def aligned_buffer(nbytes: int) -> torch.Tensor:
 
 
 def _pid_alive(pid: int) -> bool:
+    if os.name == "nt":  # os.kill there terminates the process instead of probing it
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

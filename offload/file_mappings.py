@@ -140,7 +140,7 @@ class MappedFiles:
                 madvise(first, last - first, _MADV_DONTNEED)  # a refusal leaves the pages to the kernel
             file_first = offset - (start - first)
             spans.setdefault(path, []).append((file_first, last - first))
-        for path, ranges in spans.items():
+        for path, ranges in spans.items() if hasattr(os, "posix_fadvise") else ():
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError:

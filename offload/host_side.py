@@ -12,7 +12,7 @@ import torch
 from .checkpoint_file import drop_cached_pages, locate
 from .disk_budget import (PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers,
                           refusal)
-from .disk_file import padded
+from .disk_file import disk_tier_unsupported, padded
 from .disk_tier import DiskTier
 from .file_mappings import MappedFiles
 from .host_memory import available_host_bytes, pinnable_bytes
@@ -218,7 +218,15 @@ class HostSide:
             self._old_disk = None
 
     def _plan_tiers(self, waiting: Sequence[int], mode: Optional[str] = None) -> TierPlan:
-        """Which blocks' host copies go to disk under ``config.host_store``, and what packing ``waiting`` costs."""
+        """Which blocks' host copies go to disk under ``config.host_store``, and what packing ``waiting`` costs.
+        Where the platform has no disk tier, auto keeps every block in RAM and disk is refused."""
+        mode = mode or self.config.host_store
+        unsupported = disk_tier_unsupported()
+        if unsupported is not None:
+            if mode == "disk":
+                raise ValueError(f"[layerwise-offload] host_store = disk: {unsupported}. Use host_store = auto "
+                                 f"or ram (every block's host copy in RAM)")
+            mode = "ram"
         waiting_set = set(waiting)
         named = [block_parameters(block) for block in self.blocks]
         sizes = [plan_layout(n).nbytes for n in named]
@@ -228,7 +236,7 @@ class HostSide:
         disk = self.disk
         ring = self.ring_size
         return plan_host_tiers(
-            sizes, freed, mode or self.config.host_store, self.available_host_bytes(),
+            sizes, freed, mode, self.available_host_bytes(),
             ring_bytes=lambda tiers: ring * max((padded(s) for s, d in zip(sizes, tiers) if d), default=0),
             margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(len(self.blocks))],
             already_disk=[disk is not None and disk.holds(i) for i in range(len(self.blocks))])
@@ -371,7 +379,7 @@ class HostSide:
         config = self.config
         settings = settings or (f"resident_layers={config.resident_layers}, prefetch_size={config.prefetch_size}, "
                                 f"pin_memory={self.pin_memory}, host_store={config.host_store}")
-        return refusal(plan, settings, self.ring_size, len(self.blocks))
+        return refusal(plan, settings, self.ring_size, len(self.blocks), disk_tier_unsupported())
 
 
 # A block is read from the checkpoint when at most this share of its bytes is not the file's (a converted scale

@@ -167,3 +167,24 @@ def test_the_run_line_says_which_disk_blocks_come_from_the_checkpoint(wan_files,
     tiny_dits.sample(offloaded, seed=1, steps=2)
     figures = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].last_report.figures()
     assert f"{BLOCK_COUNT} blocks on disk ({BLOCK_COUNT} from the checkpoint file)" in figures, figures
+
+
+def test_where_python_lacks_the_disk_tiers_calls_the_loader_and_the_node_run_from_ram(wan_files, disk_dir,
+                                                                                       monkeypatch):
+    """Windows and macOS: no os.pread, os.preadv, os.posix_fadvise. The loader still maps the file (a
+    copy-on-write mapping, both OSes have it) and is ComfyUI's model bitwise; the node's auto keeps every block in
+    RAM (nothing written), and host_store = disk is refused when the prompt is queued, naming the reason."""
+    from layerwise_offload.nodes.offload_node import host_store_problem
+
+    want = tiny_dits.sample(comfy.sd.load_diffusion_model(wan_files[0]), seed=5)
+    mm.unload_all_models()
+    for name in ("pread", "preadv", "posix_fadvise"):
+        monkeypatch.delattr(os, name, raising=False)
+    model = load_diffusion_model_layerwise(wan_files[0], {})
+    assert file_backed(model)  # left in the file
+    assert torch.equal(tiny_dits.sample(model, seed=5), want)
+    offloaded = offload_model(model, 1, 1, "leading", False, "auto")
+    assert torch.equal(tiny_dits.sample(offloaded, seed=5), want)
+    assert manager_of(offloaded).host.tiers() == ["ram"] * BLOCK_COUNT and written(disk_dir) == []
+    assert "host_store = disk: the disk tier needs os.preadv, os.posix_fadvise" in host_store_problem("disk")
+    assert host_store_problem("auto") is None and host_store_problem("ram") is None

@@ -135,3 +135,37 @@ def test_a_dropped_manager_frees_its_host_copies_by_reference_count_alone(tmp_pa
         assert not cache_files()
     finally:
         gc.enable()
+
+
+def _without_disk_tier_calls(monkeypatch):
+    """The platform Windows and macOS users have: Python's os lacks preadv and posix_fadvise."""
+    for name in ("preadv", "posix_fadvise"):
+        monkeypatch.delattr(os, name, raising=False)
+
+
+def test_without_the_calls_a_disk_tier_needs_auto_keeps_every_block_in_ram(tmp_path, monkeypatch):
+    from layerwise_offload.offload.disk_file import disk_tier_unsupported
+
+    assert disk_tier_unsupported() is None  # this machine (Linux) has them
+    _without_disk_tier_calls(monkeypatch)
+    assert "os.preadv, os.posix_fadvise" in disk_tier_unsupported()
+    model, blocks, expected, host, params = host_side(tmp_path, "auto", available=512 * 2**20 - 1)
+    assert host.tiers() == ["ram"] * len(blocks)  # short of RAM, but there is no disk to go to
+    pack_all(host, params)
+    assert host.disk is None and host.tiers() == ["ram"] * len(blocks)
+    for index in range(len(blocks)):
+        assert all(torch.equal(a, b) for a, b in zip(weights_in(host, index, host.source(index)), expected[index]))
+    assert not os.listdir(tmp_path)
+    host.close()
+
+
+def test_without_a_disk_tier_host_store_disk_is_refused_and_not_offered(tmp_path, monkeypatch):
+    _without_disk_tier_calls(monkeypatch)
+    _, _, _, host, params = host_side(tmp_path, "disk")
+    with pytest.raises(ValueError, match=r"host_store = disk: the disk tier needs os\.preadv.*Use host_store = "
+                                         r"auto or ram"):
+        pack_all(host, params)
+    _, _, _, host, params = host_side(tmp_path, "auto", available=1)
+    message = host.shortfall()
+    assert message and "host memory is short" in message and "host_store = disk" not in message, message
+    assert "No disk tier here: the disk tier needs os.preadv" in message
