@@ -34,7 +34,7 @@ def _madvise():
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         function = libc.madvise
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # Windows: CDLL(None) is a TypeError
         return None
     function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     function.restype = ctypes.c_int
@@ -126,6 +126,8 @@ class MappedFiles:
         the mapping; left mapped, those pages stay charged to the process's memory cgroup as active file pages,
         beside the block's new copy. Pages of a shared read-only mapping are the file's: a later read refaults
         them from the file, nothing is lost (a neighbour's bytes in a shared page included)."""
+        if not self.spans:  # no mapping of another loader here (or no /proc/self/maps: Windows, macOS)
+            return
         madvise = _madvise()
         page = mmap.PAGESIZE
         spans: Dict[str, List[Tuple[int, int]]] = {}

@@ -109,3 +109,15 @@ def test_packing_gives_back_the_pages_it_read_through_the_mapping(tmp_path):
     MappedFiles().drop_pages([block])
     assert _resident_kib(block.data_ptr()) <= 8 * 4  # at most the 8 pages around the block (fault-around)
     assert block.numpy().tobytes() == copy.numpy().tobytes() == path.read_bytes()[4096:60 * 4096]  # refaulted
+
+
+def test_without_proc_self_maps_nothing_is_located_and_nothing_is_called(tmp_path, monkeypatch):
+    """Windows and macOS: no /proc/self/maps. The snapshot is empty, packing's page hand-back returns at once
+    (it would otherwise load libc, which ctypes cannot do by that name there)."""
+    import layerwise_offload.offload.file_mappings as file_mappings
+
+    snapshot = MappedFiles(str(tmp_path / "no-maps"))
+    weight = _mapped(_file(tmp_path), "r")[:4096]
+    assert snapshot.locate(weight) is None and not snapshot.holds_storage(weight)
+    monkeypatch.setattr(file_mappings, "_madvise", lambda: pytest.fail("libc looked up with nothing to give back"))
+    snapshot.drop_pages([weight, torch.ones(3)])
