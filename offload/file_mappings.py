@@ -1,4 +1,4 @@
-"""Which file a host tensor's bytes are mapped from, when a loader other than ours mapped it.
+"""Which file a host tensor's bytes are mapped from, and which of a block's bytes the disk tier can read from it.
 
 ComfyUI-GGUF maps the whole ``.gguf`` file read-only (``numpy.memmap``) and its weights are views of that mapping,
 so a GGUF block is already on disk, byte for byte: the disk tier can read it from the ``.gguf`` file at each step
@@ -24,7 +24,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["MappedFiles"]
+from .checkpoint_file import locate
+
+__all__ = ["CONVERTED_SHARE_LIMIT", "MappedFiles", "checkpoint_extents"]
 
 MAPS = "/proc/self/maps"
 _MADV_DONTNEED = 4  # Linux's value on every architecture Python runs on
@@ -152,3 +154,29 @@ class MappedFiles:
                     os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+# A block is read from the checkpoint when at most this share of its bytes is not the file's (a converted scale
+# of a quantized layer, say): those few bytes stay in RAM and are copied into the staging buffer with the reads.
+CONVERTED_SHARE_LIMIT = 1 / 16
+
+
+def checkpoint_extents(layout, sources, mapped_files: Optional[MappedFiles] = None):
+    """``(extents, kept)`` for a block read from a mapped checkpoint: extents [(path, file offset, nbytes, offset in
+    the layout)] of the entries that are byte for byte a contiguous tensor of the file, kept [(entry index,
+    tensor)] for the rest (held in RAM); None when no entry is the file's, or the rest is more than
+    :data:`CONVERTED_SHARE_LIMIT` of the block (``sources``: the entries' tensors now). The file is one our loader
+    mapped, or one in ``mapped_files`` (another loader's read-only mapping)."""
+    extents, kept, kept_bytes = [], [], 0
+    for position, (entry, source) in enumerate(zip(layout.entries, sources)):
+        where = locate(source)
+        if where is None and mapped_files is not None:
+            where = mapped_files.locate(source)
+        if where is None or where[2] != entry.span_elements * entry.dtype.itemsize or source.dtype != entry.dtype:
+            kept.append((position, source))
+            kept_bytes += entry.span_elements * entry.dtype.itemsize
+        else:
+            extents.append((where[0], where[1], where[2], entry.offset))
+    if not extents or kept_bytes > layout.nbytes * CONVERTED_SHARE_LIMIT:
+        return None
+    return extents, kept

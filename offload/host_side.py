@@ -9,12 +9,12 @@ from typing import Callable, Dict, List, Optional, Protocol, Sequence, runtime_c
 
 import torch
 
-from .checkpoint_file import drop_cached_pages, locate
+from .checkpoint_file import drop_cached_pages
 from .disk_budget import (PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers,
                           refusal)
 from .disk_file import disk_tier_unsupported, padded
 from .disk_tier import DiskTier
-from .file_mappings import MappedFiles
+from .file_mappings import MappedFiles, checkpoint_extents
 from .host_memory import available_host_bytes, pinnable_bytes
 from .pinning import default_pinner, return_freed_host_memory
 from .host_store import HostStore, _packed_sources, block_parameters, params_are_inference, plan_layout
@@ -190,14 +190,14 @@ class HostSide:
         copy, which frees ComfyUI's), then ``progress(done, total)`` (a UI progress bar)."""
         if indices and self._is_stale():
             self._restart(params)
+        # Another loader's read-only file mappings (ComfyUI-GGUF's .gguf): one snapshot for the pass. Their weights
+        # free no RAM when packed, disk blocks are read from the file, and the pages packing reads are given back.
+        mapped_files = MappedFiles() if indices else None
         if indices:
-            plan = self.tier_plan = self._plan_tiers(indices)
+            plan = self.tier_plan = self._plan_tiers(indices, mapped_files=mapped_files)
             if plan.disk_blocks:
                 log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s) in %s", plan.disk_blocks,
                          len(self.blocks), plan.reason, self.disk_folder or default_disk_folder())
-        # Another loader's read-only file mappings (ComfyUI-GGUF's .gguf): disk blocks are read from the file, and
-        # the pages packing the others reads through the mapping are given back.
-        mapped_files = MappedFiles() if indices else None
         for done, index in enumerate(indices, 1):
             params.repacked(index, self._pack(index, mapped_files))
             packed(index)
@@ -217,7 +217,8 @@ class HostSide:
             self._old_disk.close()
             self._old_disk = None
 
-    def _plan_tiers(self, waiting: Sequence[int], mode: Optional[str] = None) -> TierPlan:
+    def _plan_tiers(self, waiting: Sequence[int], mode: Optional[str] = None,
+                    mapped_files: Optional[MappedFiles] = None) -> TierPlan:
         """Which blocks' host copies go to disk under ``config.host_store``, and what packing ``waiting`` costs.
         Where the platform has no disk tier, auto keeps every block in RAM and disk is refused."""
         mode = mode or self.config.host_store
@@ -230,7 +231,8 @@ class HostSide:
         waiting_set = set(waiting)
         named = [block_parameters(block) for block in self.blocks]
         sizes = [plan_layout(n).nbytes for n in named]
-        mapped_files = MappedFiles() if waiting_set else None
+        if mapped_files is None and waiting_set:
+            mapped_files = MappedFiles()
         freed = [freed_by_packing([p for _, p in n], mapped_files) if i in waiting_set else 0
                  for i, n in enumerate(named)]
         disk = self.disk
@@ -380,32 +382,6 @@ class HostSide:
         settings = settings or (f"resident_layers={config.resident_layers}, prefetch_size={config.prefetch_size}, "
                                 f"pin_memory={self.pin_memory}, host_store={config.host_store}")
         return refusal(plan, settings, self.ring_size, len(self.blocks), disk_tier_unsupported())
-
-
-# A block is read from the checkpoint when at most this share of its bytes is not the file's (a converted scale
-# of a quantized layer, say): those few bytes stay in RAM and are copied into the staging buffer with the reads.
-CONVERTED_SHARE_LIMIT = 1 / 16
-
-
-def checkpoint_extents(layout, sources, mapped_files: Optional[MappedFiles] = None):
-    """``(extents, kept)`` for a block read from a mapped checkpoint: extents [(path, file offset, nbytes, offset in
-    the layout)] of the entries that are byte for byte a contiguous tensor of the file, kept [(entry index,
-    tensor)] for the rest (held in RAM); None when no entry is the file's, or the rest is more than
-    :data:`CONVERTED_SHARE_LIMIT` of the block (``sources``: the entries' tensors now). The file is one our loader
-    mapped, or one in ``mapped_files`` (another loader's read-only mapping)."""
-    extents, kept, kept_bytes = [], [], 0
-    for position, (entry, source) in enumerate(zip(layout.entries, sources)):
-        where = locate(source)
-        if where is None and mapped_files is not None:
-            where = mapped_files.locate(source)
-        if where is None or where[2] != entry.span_elements * entry.dtype.itemsize or source.dtype != entry.dtype:
-            kept.append((position, source))
-            kept_bytes += entry.span_elements * entry.dtype.itemsize
-        else:
-            extents.append((where[0], where[1], where[2], entry.offset))
-    if not extents or kept_bytes > layout.nbytes * CONVERTED_SHARE_LIMIT:
-        return None
-    return extents, kept
 
 
 def _fill(buffer: torch.Tensor, layout) -> None:
