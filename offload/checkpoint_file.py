@@ -29,7 +29,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["CheckpointFile", "CheckpointError", "TensorInfo", "locate", "drop_cached_pages", "is_mapped"]
+__all__ = ["CheckpointFile", "CheckpointError", "TensorInfo", "locate", "drop_cached_pages", "drop_from_page_cache",
+           "is_mapped"]
 
 DTYPES: Dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -198,10 +199,19 @@ def drop_cached_pages(tensors) -> None:
                 pass
         first = offset // page * page  # the page cache drops only pages no process maps: the wide range is safe
         spans.setdefault(path, []).append((first, -(-(offset + nbytes) // page) * page - first))
-    if not hasattr(os, "posix_fadvise"):  # Windows, macOS: the OS keeps the pages as standby cache
+    drop_from_page_cache(spans)
+
+
+def drop_from_page_cache(spans: Dict[str, List[Tuple[int, int]]]) -> None:
+    """Drop the file ranges ``spans`` ({path: [(offset, length)]}) from the page cache; pages some process still
+    maps stay. Where there is no posix_fadvise (Windows, macOS) the OS keeps them as standby cache."""
+    if not hasattr(os, "posix_fadvise"):
         return
     for path, ranges in spans.items():
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
         try:
             for offset, length in ranges:
                 os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint_file import locate
+from .checkpoint_file import drop_from_page_cache, locate
 
 __all__ = ["CONVERTED_SHARE_LIMIT", "MappedFiles", "checkpoint_extents"]
 
@@ -144,16 +144,7 @@ class MappedFiles:
                 madvise(first, last - first, _MADV_DONTNEED)  # a refusal leaves the pages to the kernel
             file_first = offset - (start - first)
             spans.setdefault(path, []).append((file_first, last - first))
-        for path, ranges in spans.items() if hasattr(os, "posix_fadvise") else ():
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                for offset, length in ranges:
-                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        drop_from_page_cache(spans)
 
 
 # A block is read from the checkpoint when at most this share of its bytes is not the file's (a converted scale
