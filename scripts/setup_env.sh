@@ -105,6 +105,21 @@ pip_run() {
 PINS=("$TORCH_PIN" "$TORCHVISION_PIN")
 
 # ---------------------------------------------------------------- 2. torch + dev tools
+# torch's CUDA build is ~5.3 GB a venv; the other test venv of this checkout holds the same wheels, so a new venv
+# takes hard links to them (no disk space) and pip then finds them installed. Anything else installs as usual.
+site_of() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+if ! "$PY" -c 'import importlib.metadata as m; m.version("torch")' 2>/dev/null; then
+    for other in "$ROOT/.venv" "$ROOT/.venv-0.14.1"; do
+        [[ "$other" != "$VENV" && -x "$other/bin/python" ]] || continue
+        [[ "$("$other/bin/python" -c 'import sys; print(sys.version_info[:2])')" == "$("$PY" -c 'import sys; print(sys.version_info[:2])')" ]] || continue
+        if out="$("$PY" "$ROOT/scripts/link_torch.py" "$(site_of "$other/bin/python")" "$(site_of "$PY")" \
+                "$TORCH_VERSION" "${TORCHVISION_PIN#*==}" 2>&1)"; then
+            log "$out"
+            break
+        fi
+        log "torch not linked from $(basename "$other") (${out##*: }); pip installs it"
+    done
+fi
 log "pip install ${PINS[*]} ${DEV_PACKAGES[*]}"
 pip_run install -q "${PINS[@]}" "${DEV_PACKAGES[@]}"
 
