@@ -35,11 +35,11 @@ class BlockCopier:
         """Queue the copy of block ``index`` after the compute mark ``after``, then the transform; returns the
         handle of its completion. ``bounce_pinner``: copy through a bounce ring page-locked by it (if it can)."""
         transform = self.transform
-        then = None
-        if transform is not None:
-            def then():
-                with torch.no_grad():
-                    transform(index, device_weights)
+
+        def apply_transform():
+            with torch.no_grad():
+                transform(index, device_weights)
+        then = apply_transform if transform is not None else None
         bounce = self._bounce(bounce_pinner) if bounce_pinner is not None else None
         if bounce is not None:  # the host reads the host buffer itself, synchronously
             return bounce.copy(backend, device_buffer, host_buffer, after=after, then=then)
