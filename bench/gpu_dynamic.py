@@ -57,6 +57,7 @@ def _import(env, dry_run: bool):
     aimdo_init(comfy_aimdo.control)  # before comfy.model_management, whose import initialises CUDA
     started = "init() ok; init_device() needs a GPU (dry run)"
     comfy_env = env.import_comfyui(cpu=dry_run, import_nodes=False)
+    gc.freeze()  # as gpu_steps does: the collections between runs then skip what the import made
     if not dry_run:
         import comfy.memory_management
         import comfy_aimdo.torch
