@@ -122,3 +122,37 @@ def test_packed_block_is_the_gguf_size(gguf, qtype):
     packed = quantized * (2 if qtype == "F16" else 1) + others
     assert packed <= manager.block_nbytes()[1] < packed + 64 * 32
     mm.unload_all_models()
+
+
+def test_comfyui_gguf_never_copies_offloaded_blocks_out_of_its_mapping(gguf, monkeypatch, tmp_path):
+    """ComfyUI-GGUF's own ``load()`` "releases the mmap" after a partial load to a GPU: every weight still on the
+    host is moved to the GPU and back, a fresh copy in anonymous RAM. Through the node that must never run, or the
+    disk tier's blocks would land in RAM on a GPU (where a CPU run cannot show it, since there ``load_device ==
+    offload_device`` skips the release). ComfyUI's load reaches the patcher through ``partially_load``, which the
+    node's patcher overrides; the same load of the plain GGUF model does call GGUF's ``load()`` (the control)."""
+    monkeypatch.setenv("LAYERWISE_OFFLOAD_DISK_DIR", str(tmp_path))
+    patcher_class = gguf.nodes.GGUFModelPatcher
+    calls = []
+    for name in ("load", "pin_weight_to_device"):
+        original = getattr(patcher_class, name)
+
+        def recorded(self, *args, _name=name, _original=original, **kwargs):
+            calls.append((_name, type(self).__name__))
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(patcher_class, name, recorded)
+
+    tiny_dits.sample(load(gguf, "Q8_0"), seed=3, family="wan21", steps=1)
+    mm.unload_all_models()
+    assert ("load", "GGUFModelPatcher") in calls  # the control: ComfyUI alone goes through GGUF's load()
+    calls.clear()
+
+    model = load(gguf, "Q8_0")
+    mapped = {name: param.data_ptr() for name, param in model.model.diffusion_model.blocks.named_parameters()}
+    offloaded = offload_model(model, 1, 1, "leading", True, "disk")
+    tiny_dits.sample(offloaded, seed=3, family="wan21", steps=1)
+    assert calls == []
+    manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
+    assert sorted(manager.host.disk.extents) == list(range(NUM_BLOCKS))  # every block's host copy: the .gguf
+    mm.unload_all_models()
+    # After the unload the blocks are the file's tensors again, where ComfyUI-GGUF left them.
+    assert {name: param.data_ptr() for name, param in model.model.diffusion_model.blocks.named_parameters()} == mapped
