@@ -24,6 +24,15 @@ def _log_startup() -> None:
     logging.getLogger("layerwise_offload").info(line)
 
 
+def _remove_stale_disk_files() -> None:
+    try:
+        from .nodes.offload_node import remove_stale_disk_files
+        remove_stale_disk_files()
+    except Exception as e:  # noqa: BLE001 - a folder we cannot read must never keep the nodes from registering
+        logging.getLogger("layerwise_offload").warning("[layerwise-offload] could not look for stale disk-tier "
+                                                       "files: %s: %s", type(e).__name__, e)
+
+
 if importlib.util.find_spec("comfy") is None:
     # Imported outside ComfyUI (pytest collecting this folder as a package, tools): nothing to register.
     __all__ = []
@@ -31,9 +40,11 @@ elif importlib.util.find_spec("comfy_api.latest") is None:
     from .nodes.v1 import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 
     _log_startup()
+    _remove_stale_disk_files()
     __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
 else:
     from .nodes.v3 import comfy_entrypoint
 
     _log_startup()
+    _remove_stale_disk_files()
     __all__ = ["comfy_entrypoint", "WEB_DIRECTORY"]

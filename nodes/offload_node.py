@@ -10,7 +10,7 @@ import comfy.patcher_extension
 
 from ..offload import POLICIES, OffloadConfig, resolve_resident_count
 from ..offload.config import HOST_STORES
-from ..offload.disk_file import disk_tier_unsupported
+from ..offload.disk_file import disk_tier_unsupported, remove_stale_files
 from ..offload.host_side import DISK_DIR_ENV
 from .discovery import SUPPORTED_FAMILIES, discover_blocks
 from .dynamic_vram import non_dynamic_patcher, watch_clones
@@ -113,6 +113,13 @@ def disk_folder() -> str:
         return chosen
     import folder_paths
     return os.path.join(folder_paths.get_temp_directory(), "layerwise-offload")
+
+
+def remove_stale_disk_files() -> int:
+    """At ComfyUI's start: the cache files a killed server left in $LAYERWISE_OFFLOAD_DISK_DIR (ComfyUI empties
+    its own temp folder, the default, itself). Returns how many were removed."""
+    chosen = os.environ.get(DISK_DIR_ENV)
+    return remove_stale_files(chosen) if chosen else 0
 
 
 def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy="leading", pin_memory=True,
