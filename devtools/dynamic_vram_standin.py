@@ -9,9 +9,10 @@ for each GPU) and, when that works, makes ``ModelPatcherDynamic`` the class ever
 
 * ``comfy_aimdo.control.init()`` is the real one (aimdo's library loads without a GPU; its file mapping and host
   buffers work on the CPU). ``init_devices`` is what needs a GPU: it is not called.
-* ``ModelPatcherDynamic.__new__`` hands a CPU load device back to the classic ``ModelPatcher``; the stand-in plays
-  a GPU on the CPU (as the offload's CPU loopback does), so that one reroute is lifted. Everything else in the class
-  runs as written: ``load()`` (its ``_load_list(for_dynamic=True)``, the LowVramPatch set-up, aimdo host buffers),
+* ``ModelPatcherDynamic.__new__`` hands a CPU load device back to the classic ``ModelPatcher``, and
+  ``partially_unload`` asserts the load device is not the CPU; the stand-in plays a GPU on the CPU (as the offload's
+  CPU loopback does), so the reroute is lifted and an unload on the CPU does what ``partially_unload`` does with no
+  VBAR (it restores the force-loaded backups). Everything else in the class runs as written: ``load()`` (its ``_load_list(for_dynamic=True)``, the LowVramPatch set-up, aimdo host buffers),
   ``clone(disable_dynamic=..., model_override=...)``, ``get_non_dynamic_delegate()``, ``detach``, ``__del__``.
 * What cannot run: the VBAR (``_vbar_get`` returns None for a CPU device, so no module gets ``_v``) and with it
   the VBAR cast path in ``comfy.ops``. Without it ComfyUI casts every weight the classic way, and LoRA patches of a
@@ -65,11 +66,19 @@ def enable() -> None:
                 importlib.reload(module)
     dynamic = model_patcher.ModelPatcherDynamic
     _saved.update(core=model_patcher.CoreModelPatcher, aimdo=memory_management.aimdo_enabled,
-                  new=dynamic.__dict__["__new__"])
+                  new=dynamic.__dict__["__new__"], partially_unload=dynamic.__dict__["partially_unload"])
+    partially_unload = _saved["partially_unload"]
 
     def __new__(cls, *args, **kwargs):  # the CPU is the GPU here: no reroute to the classic patcher
         return model_patcher.ModelPatcher.__new__(cls)
     dynamic.__new__ = staticmethod(__new__)
+
+    def unload_on_the_cpu(self, device_to, memory_to_free=0, force_patch_weights=False):
+        if self.load_device.type != "cpu":
+            return partially_unload(self, device_to, memory_to_free, force_patch_weights)
+        assert not force_patch_weights
+        return self.restore_loaded_backups()  # ComfyUI's own fallback when its VBAR frees too little
+    dynamic.partially_unload = unload_on_the_cpu
     model_patcher.CoreModelPatcher = dynamic
     memory_management.aimdo_enabled = True
 
@@ -81,6 +90,7 @@ def disable() -> None:
     if not _saved:
         return
     model_patcher.ModelPatcherDynamic.__new__ = _saved["new"]
+    model_patcher.ModelPatcherDynamic.partially_unload = _saved["partially_unload"]
     model_patcher.CoreModelPatcher = _saved["core"]
     memory_management.aimdo_enabled = _saved["aimdo"]
     _saved.clear()

@@ -106,26 +106,34 @@ def weights_left_in(checkpoint: CheckpointFile):
             torch.nn.Module._load_from_state_dict = original
 
 
-def load_diffusion_model_layerwise(path: str, model_options: dict):
-    """ComfyUI's load_diffusion_model for ``path``, with the weights ComfyUI keeps as they are left in the file."""
+def load_diffusion_model_layerwise(path: str, model_options: dict, disable_dynamic: bool = False):
+    """ComfyUI's load_diffusion_model for ``path``, with the weights ComfyUI keeps as they are left in the file.
+
+    On ComfyUI 0.33+ with dynamic VRAM ComfyUI loads by assignment, and the model is a ModelPatcherDynamic over
+    the same views. ``cached_patcher_init`` is set as core's loaders set it, so that ComfyUI can build the
+    non-dynamic copy it asks for (``get_non_dynamic_delegate``, e.g. for hooked conditioning) by calling this
+    again with ``disable_dynamic=True``."""
+    dynamic_choice = {"disable_dynamic": True} if disable_dynamic else {}  # older ComfyUIs lack the argument
     if not path.lower().endswith((".safetensors", ".sft")):
         log.info("[layerwise-offload] %s is not a .safetensors file: loaded as Load Diffusion Model does", path)
-        return comfy.sd.load_diffusion_model(path, model_options=model_options)
+        return comfy.sd.load_diffusion_model(path, model_options=model_options, **dynamic_choice)
     try:
         checkpoint = CheckpointFile(path)
     except CheckpointError as error:
         raise RuntimeError(f"{error}. Load it with Load Diffusion Model, or re-download the file.") from error
     state_dict = checkpoint.state_dict()
     file_bytes = sum(info.nbytes for info in checkpoint.tensors.values())
-    with weights_left_in(checkpoint) as taken:
+    with weights_left_in(checkpoint):
         model = comfy.sd.load_diffusion_model_state_dict(state_dict, model_options=model_options,
-                                                          metadata=checkpoint.metadata or None)
+                                                          metadata=checkpoint.metadata or None, **dynamic_choice)
     if model is None:
         raise RuntimeError(f"[layerwise-offload] ERROR: Could not detect model type of: {path}\n"
                            f"{comfy.sd.model_detection_error_hint(path, state_dict)}")
-    kept = sum(p.numel() * p.element_size() for p in model.model.parameters() if locate(p) is not None)
+    model.cached_patcher_init = (load_diffusion_model_layerwise, (path, model_options))
+    in_file = [p for p in model.model.parameters() if locate(p) is not None]
+    kept = sum(p.numel() * p.element_size() for p in in_file)
     log.info("[layerwise-offload] loaded %s: %d weights (%.2f of %.2f GiB) left in the file, the rest in RAM",
-             path, taken[0], kept / 2**30, file_bytes / 2**30)
+             path, len(in_file), kept / 2**30, file_bytes / 2**30)
     return model
 
 
