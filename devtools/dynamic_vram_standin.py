@@ -29,7 +29,7 @@ import contextlib
 import importlib
 import sys
 
-__all__ = ["available", "dynamic_vram", "enable", "disable"]
+__all__ = ["available", "dynamic_vram", "enable", "disable", "init_library"]
 
 _saved = {}
 
@@ -45,25 +45,33 @@ def available() -> bool:
     return "model_override" in inspect.signature(model_patcher.ModelPatcher.clone).parameters
 
 
+def init_library() -> None:
+    """Load comfy-aimdo's library (no GPU needed: its host buffers and file mappings work on the CPU), which
+    ``ModelPatcherDynamic.__init__`` uses for its pin state."""
+    import comfy_aimdo.control
+
+    if comfy_aimdo.control.lib is not None:
+        return
+    if not comfy_aimdo.control.init():
+        raise RuntimeError("[layerwise-offload] comfy-aimdo's library did not load")
+    # main.py initialises aimdo before anything imports its modules, which bind the library (and declare its
+    # functions) at import: ComfyUI was imported first here, so they bind it now, in place.
+    for name in ("host_buffer", "model_mmap", "model_vbar", "torch", "vram_buffer"):
+        module = sys.modules.get(f"comfy_aimdo.{name}")
+        if module is not None:
+            importlib.reload(module)
+
+
 def enable() -> None:
     """What ComfyUI's main.py does when comfy-aimdo finds a GPU, with the CPU as that GPU."""
     import comfy.memory_management as memory_management
     import comfy.model_patcher as model_patcher
-    import comfy_aimdo.control
 
     if not available():
         raise RuntimeError("[layerwise-offload] this ComfyUI has no dynamic VRAM to stand in for (needs 0.33+)")
     if _saved:
         return
-    if comfy_aimdo.control.lib is None:
-        if not comfy_aimdo.control.init():
-            raise RuntimeError("[layerwise-offload] comfy-aimdo's library did not load")
-        # main.py initialises aimdo before anything imports its modules, which bind the library (and declare its
-        # functions) at import: ComfyUI was imported first here, so they bind it now, in place.
-        for name in ("host_buffer", "model_mmap", "model_vbar", "torch", "vram_buffer"):
-            module = sys.modules.get(f"comfy_aimdo.{name}")
-            if module is not None:
-                importlib.reload(module)
+    init_library()
     dynamic = model_patcher.ModelPatcherDynamic
     _saved.update(core=model_patcher.CoreModelPatcher, aimdo=memory_management.aimdo_enabled,
                   new=dynamic.__dict__["__new__"], partially_unload=dynamic.__dict__["partially_unload"])
