@@ -1,8 +1,9 @@
 """ComfyUI's side of the host memory: its pinned-memory accounting, and its LoRA backups.
 
-- Pinning goes through ComfyUI's own ``pin_memory`` / ``unpin_memory`` (0.3.75 and 0.14.1), so the
+- Pinning goes through ComfyUI's own ``pin_memory`` / ``unpin_memory`` (0.3.75 and later), so the
   store's page-locked bytes count in ComfyUI's ``TOTAL_PINNED_MEMORY`` and its ``MAX_PINNED_MEMORY``
-  cap (``--disable-pinned-memory``) holds for them as for ComfyUI's own weights.
+  cap (``--disable-pinned-memory``) holds for them as for ComfyUI's own weights. On 0.33+ that call
+  first evicts dynamic models' pins to make room, so those are not counted against the store.
 - ComfyUI's backup of an unpatched weight is the Parameter the LoRA replaced; once the manager has
   packed it, that Parameter is a view into the block's host buffer, and would keep the whole old
   buffer alive next to the repacked one. The backup is replaced by a compact copy of its own bytes.
@@ -58,8 +59,23 @@ def comfyui_pin_cap_left(own_pinned_bytes: int) -> Optional[int]:
     cap = getattr(mm, "MAX_PINNED_MEMORY", None)
     if cap is None:
         return None
-    others = max(0, int(getattr(mm, "TOTAL_PINNED_MEMORY", 0)) - int(own_pinned_bytes))
-    return max(0, int(cap) - others)
+    others = int(getattr(mm, "TOTAL_PINNED_MEMORY", 0)) - int(own_pinned_bytes) - evictable_pinned_bytes()
+    return max(0, int(cap) - max(0, others))
+
+
+def evictable_pinned_bytes() -> int:
+    """Pinned bytes ComfyUI gives up to make room for a new pin: 0.33+'s ``pin_memory`` first evicts dynamic
+    models' registrations (``ensure_pin_registerable``), so those do not hold this store's share. Older ComfyUIs
+    evict nothing."""
+    mm = comfy.model_management
+    if not hasattr(mm, "ensure_pin_registerable"):
+        return 0
+    total = 0
+    for loaded in list(getattr(mm, "current_loaded_models", [])):
+        patcher = getattr(loaded, "model", None)
+        if patcher is not None and patcher.is_dynamic() and hasattr(patcher, "pinned_memory_size"):
+            total += int(patcher.pinned_memory_size())
+    return total
 
 
 def compact_backups(patcher, keys: Iterable[str], buffers: Iterable[Optional[torch.Tensor]]) -> int:

@@ -162,3 +162,21 @@ def test_two_dynamic_experts_take_turns(files, loader):
     for _ in range(2):
         assert torch.equal(run(experts), want)
     assert all(expert.model is model.model for expert, model in zip(experts, models))
+
+
+def test_comfyuis_block_prefetch_and_cuda_graphs_stay_off_for_the_node_model(files):
+    """0.33's per-block prefetch queue and CUDA graphs (LTX2, MiniMax) run only where ``apply_model`` passes
+    ``prefetch_dynamic_vbars``, i.e. for a dynamic patcher: the node's model never has both streaming at once."""
+    seen = []
+
+    def record(module, args, kwargs):
+        seen.append(kwargs["transformer_options"].get("prefetch_dynamic_vbars"))
+    model = load(files, "unet")
+    hook = model.model.diffusion_model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        tiny_dits.sample(model, seed=3, steps=1)
+        alone, seen[:] = set(seen), []
+        tiny_dits.sample(offload_model(model, 2, 1, "leading", True), seed=3, steps=1)
+    finally:
+        hook.remove()
+    assert alone == {True} and set(seen) == {False}

@@ -30,6 +30,24 @@ def test_the_cap_is_what_other_models_left(on_a_gpu, monkeypatch):
     assert controller.comfyui_pinned_memory_cap() == 0
 
 
+def test_dynamic_models_pins_that_comfyui_evicts_for_a_new_pin_leave_the_cap(on_a_gpu, monkeypatch):
+    """0.33+: ComfyUI's pin_memory evicts dynamic models' registrations first (ensure_pin_registerable), so 6 GiB
+    pinned by a dynamic model do not shrink the store's share; 1 GiB of an ordinary model's pins do."""
+    class Dynamic:
+        def is_dynamic(self):
+            return True
+
+        def pinned_memory_size(self):
+            return 6 * GiB
+
+    class Loaded:
+        model = Dynamic()
+    monkeypatch.setattr(mm, "ensure_pin_registerable", lambda size, evict_active=True: True, raising=False)
+    monkeypatch.setattr(mm, "current_loaded_models", [Loaded()])
+    monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 7 * GiB)
+    assert controller.comfyui_pinned_memory_cap(own_pinned_bytes=0) == 9 * GiB
+
+
 def test_the_cap_is_none_on_the_cpu(monkeypatch):
     monkeypatch.setattr(mm, "is_device_cpu", lambda device: True)
     assert controller.comfyui_pinned_memory_cap(5) is None
