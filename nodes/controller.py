@@ -26,6 +26,7 @@ from ..offload.advice import activation_words, recommend
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
 from ..offload.tensor_subclass import point_param_at, weight_nbytes
+from ..offload.host_memory import available_host_bytes
 from ..offload.pinning import return_freed_host_memory
 from .discovery import DiscoveredBlocks
 from .host_ram import compact_backups, comfyui_pin_cap_left, comfyui_pinner, packing_progress_bar
@@ -274,7 +275,14 @@ class OffloadController:
         held = self.manager.device_bytes()  # ours already: a new plan may reuse it
         # Newer ComfyUI asks the patcher (it adds what dynamic-VRAM models could give back).
         ask = getattr(patcher, "get_free_memory", None)
-        free = int(ask(self.device) if callable(ask) else comfy.model_management.get_free_memory(self.device)) + held
+        free = int(ask(self.device) if callable(ask) else comfy.model_management.get_free_memory(self.device))
+        if self.device.type == "cpu":
+            # The CPU loopback's "VRAM" is RAM: plan as a GPU with that much memory would, from what this
+            # process may still use (its memory cgroup included), which ComfyUI's host-wide figure does not see.
+            # The host store replaces ComfyUI's copy block by block, so what is free now is free after packing.
+            host = available_host_bytes()
+            free = free if host is None else min(free, host)
+        free += held
         reserve = int(comfy.model_management.minimum_inference_memory())
         activations = forward_activation_bytes(
             type(self.diffusion_model).__name__, self._hidden_size(), max(1, x[0, 0].numel()),
