@@ -3,12 +3,17 @@
 Packing a block copies its weights into one fresh buffer and then lets ComfyUI's copy go, block by block. So
 the net growth of a block is its packed size minus the bytes of ComfyUI's copy that nobody else holds (a LoRA
 backup or another model sharing the storage keeps it alive), and the peak is one block above the running net
-growth (the new buffer exists before the old copy is freed). A block whose host copy lives on disk adds nothing
-once written; the disk tier's staging ring is allocated once, before the first such block.
+growth (the new buffer exists before the old copy is freed). A block whose host copy lives on disk is written in
+chunks straight from its weights (no block-sized buffer) and then frees ComfyUI's copy, so the blocks bound for
+disk are packed first: the RAM they free is there before any RAM block needs its one block of headroom. The
+disk tier's staging ring is allocated at the first read, after packing, when that RAM is free again.
 
-The auto tier (``host_store="auto"``) keeps blocks in RAM while the host keeps ``margin`` free after packing,
-and puts the rest on disk, the blocks latest in the step first (the leading ones are the residents, read back
-most often when ComfyUI asks for VRAM back).
+The auto tier (``host_store="auto"``) never asks for more RAM than ComfyUI's own copy of the model holds: where
+packing every block into RAM adds nothing (ComfyUI's copies are freed as they are packed) and its one-block peak
+fits, every block stays in RAM. Otherwise (weights that packing cannot free: a mapped checkpoint, shared
+storages) it keeps blocks in RAM while the host keeps ``margin`` free after packing, and puts the rest on disk,
+the blocks latest in the step first (the leading ones are the residents, read back most often when ComfyUI asks
+for VRAM back). Among the plans it considers it takes one that fits over one that does not.
 """
 
 from __future__ import annotations
@@ -100,32 +105,36 @@ class TierPlan:
         return missing if missing > 0 else None
 
 
-def _costs(sizes: Sequence[int], freed: Sequence[int], disk: Sequence[bool], ring_bytes: int) -> Tuple[int, int]:
-    """(peak, final growth) of packing blocks in index order with ``disk`` tiers."""
+def _costs(sizes: Sequence[int], freed: Sequence[int], disk: Sequence[bool], ring_bytes: int,
+           chunk_bytes: int = 0) -> Tuple[int, int]:
+    """(peak, final growth) of packing blocks with ``disk`` tiers: the disk blocks first (each written through
+    a ``chunk_bytes`` buffer, then ComfyUI's copy freed), then the RAM blocks; the staging ring last (it is
+    allocated at the first read)."""
     running, peak = 0, 0
-    ring_taken = False
     for size, gone, on_disk in zip(sizes, freed, disk):
         if on_disk:
-            if not ring_taken:
-                running += ring_bytes
-                ring_taken = True
-            # Written through a staging buffer; the page cache of the write is dropped after each block.
-            peak = max(peak, running + size)
+            peak = max(peak, running + min(size, chunk_bytes or size))
             running -= gone
-        else:
+    for size, gone, on_disk in zip(sizes, freed, disk):
+        if not on_disk:
             peak = max(peak, running + size)
             running += size - gone
+    if any(disk):
+        running += ring_bytes
     return max(peak, running), running
 
 
 def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, available: Optional[int],
                     ring_bytes: Optional[Callable[[Tuple[bool, ...]], int]] = None, margin: int = RAM_MARGIN_BYTES,
-                    waiting: Optional[Sequence[bool]] = None, already_disk: Sequence[bool] = ()) -> TierPlan:
+                    waiting: Optional[Sequence[bool]] = None, already_disk: Sequence[bool] = (),
+                    chunk_bytes: int = 0, slack: int = PACKING_SLACK_BYTES,
+                    padding_bytes: Sequence[int] = ()) -> TierPlan:
     """Choose each block's tier for ``mode`` (auto | ram | disk) and the cost of packing.
 
     ``sizes``: packed bytes per block; ``freed``: bytes of ComfyUI's copy each block's packing frees;
     ``ring_bytes(disk)``: the staging ring's bytes for a tier choice; ``waiting``: blocks not packed yet (the
-    others cost nothing more and keep their tier, ``already_disk``).
+    others cost nothing more and keep their tier, ``already_disk``); ``chunk_bytes``: the buffer a disk block is
+    written through (0: the whole block); ``padding_bytes``: per block, the alignment padding among its bytes.
     """
     if mode not in HOST_STORES:
         raise ValueError(f"host_store must be one of {', '.join(HOST_STORES)}, got {mode!r}")
@@ -138,24 +147,38 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
         costs = [(s, f, d) for s, f, d, w in zip(sizes, freed, disk, waiting) if w]
         needs_ring = any(d for _, _, d in costs) and not any(fixed)
         peak, growth = _costs([c[0] for c in costs], [c[1] for c in costs], [c[2] for c in costs],
-                              ring(disk) if needs_ring else 0)
+                              ring(disk) if needs_ring else 0, chunk_bytes)
         return TierPlan(disk, peak, growth, ring(disk) if any(disk) else 0, available, margin, reason)
+
+    def fits(candidate: TierPlan) -> bool:
+        return candidate.shortfall(slack) is None
 
     if mode == "ram":
         return plan(tuple(f and not w for f, w in zip(fixed, waiting)))
     if mode == "disk":
         return plan((True,) * n, "host_store = disk")
+    # The store aligns each tensor (host_store.ALIGNMENT_BYTES): its bytes exceed ComfyUI's by that padding alone.
+    padding = sum(p for p, w in zip(padding_bytes or (0,) * n, waiting) if w)
+
+    def as_comfyui_alone(candidate: TierPlan) -> bool:
+        return candidate.growth_bytes <= padding and fits(candidate)
+
     disk = [f and not w for f, w in zip(fixed, waiting)]
-    best = plan(tuple(disk))
-    if available is None or available - best.growth_bytes >= margin:
-        return best
+    in_ram = plan(tuple(disk))
+    if available is None or as_comfyui_alone(in_ram) or available - in_ram.growth_bytes >= margin:
+        return in_ram  # no more RAM than ComfyUI's copy held, or the margin kept with every block in RAM
+    best = in_ram
     for index in reversed(range(n)):
         if disk[index] or not waiting[index]:
             continue
         disk[index] = True
         best = plan(tuple(disk))
-        if available - best.growth_bytes >= margin:
+        if available - best.growth_bytes >= margin or as_comfyui_alone(best):
             break
+    if not fits(best) and fits(in_ram):
+        best = in_ram  # the disk plan's ring does not fit where packing into RAM does
+    if not best.disk_blocks:
+        return best
     free_after = available - best.growth_bytes
     reason = (f"host RAM: {available / 2**20:.0f} MiB available, {margin / 2**20:.0f} MiB kept free; "
               f"{free_after / 2**20:.0f} MiB left with {best.disk_blocks} blocks on disk")
@@ -163,10 +186,13 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
 
 
 def refusal(plan: TierPlan, settings: str, ring_blocks: int, num_blocks: int,
-            no_disk_tier: Optional[str] = None) -> str:
+            no_disk_tier: Optional[str] = None, disk_fits: bool = True) -> str:
     """The message refusing a packing ``plan`` that does not fit, with what helps (``settings``: the caller's
     settings as the user named them; ``ring_blocks``: the staging ring's size in blocks; ``no_disk_tier``: why
-    this platform has none, so the disk tier is not offered)."""
+    this platform has none, so the disk tier is not offered; ``disk_fits``: whether every block on disk would
+    fit, else the disk tier is not offered either: advice must work when followed)."""
+    if not disk_fits and no_disk_tier is None:
+        no_disk_tier = "even with every block on disk the staging ring would not fit"
     mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
     head = (f"[layerwise-offload] host memory is short: packing the blocks needs {mib(plan.peak_bytes)} more "
             f"at its peak (ComfyUI's copy of each block is freed as it is packed) but only "

@@ -22,7 +22,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -59,8 +59,10 @@ class DiskTier:
         self._fds: Dict[str, int] = {}  # checkpoint path -> O_RDONLY descriptor
         self.kept: Dict[int, tuple] = {}  # checkpoint blocks -> (layout, [(entry index, RAM tensor)])
         self.ring_size = max(2, int(ring_size))
-        self.ring: List[_Staging] = []
+        self.ring: List[_Staging] = []  # allocated at the first read (packing, before it, frees RAM first)
         self.ring_bytes_each = 0
+        self._largest = 0  # the largest disk block, padded: what each staging buffer holds
+        self._chunk: Optional[torch.Tensor] = None  # the buffer blocks are written through
         self.ledger = PinLedger(pinner)
         self.pin = pinner is not None
         self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="layerwise-offload-disk")
@@ -102,7 +104,7 @@ class DiskTier:
         block's layout)]; nothing is written. ``kept`` = [(entry index in ``layout``, tensor)]: the few entries
         that are not the file's bytes, copied from RAM into the staging buffer with each read."""
         self.forget(index)
-        self._ensure_ring(nbytes)
+        self._largest = max(self._largest, padded(nbytes))
         self.regions[index] = (None, nbytes)
         self.extents[index] = list(extents)
         if kept:
@@ -111,17 +113,45 @@ class DiskTier:
             if path not in self._fds:
                 self._fds[path] = os.open(path, os.O_RDONLY)
 
-    def write(self, index: int, nbytes: int, fill) -> torch.Tensor:
-        """Store block ``index``: ``fill(buffer)`` packs its bytes into a staging buffer, which is appended to the
-        file; returns the region as a file-backed tensor (what released parameters may view)."""
+    def write(self, index: int, nbytes: int, pieces: Iterable[Tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """Store block ``index`` (``nbytes``) in the cache file from ``pieces``: (offset in the block, flat uint8
+        tensor) in rising order, the gaps left zero. They are written through one :data:`CHUNK_BYTES` buffer, never
+        a block-sized one, so writing a block takes no more RAM than a chunk. Returns the region as a file-backed
+        tensor (what released parameters may view)."""
         self.forget(index)
-        self._ensure_ring(nbytes)
-        staging = self._take(wait=True, protect=())
-        staging.block = None
-        fill(staging.buffer.narrow(0, 0, nbytes))
-        offset = self.file.append(staging.buffer.narrow(0, 0, padded(nbytes)))
-        self.regions[index] = (offset, nbytes)
-        return self.file.view(offset, nbytes)
+        self._largest = max(self._largest, padded(nbytes))
+        if self._chunk is None:
+            self._chunk = aligned_buffer(CHUNK_BYTES)
+        chunk, filled, first, position = self._chunk, 0, None, 0
+
+        def put(data: Optional[torch.Tensor], length: int) -> None:
+            nonlocal filled, first
+            done = 0
+            while done < length:
+                take = min(length - done, CHUNK_BYTES - filled)
+                target = chunk.narrow(0, filled, take)
+                if data is None:
+                    target.zero_()
+                else:
+                    target.copy_(data.narrow(0, done, take))
+                filled += take
+                done += take
+                if filled == CHUNK_BYTES:
+                    at = self.file.append(chunk)
+                    first = at if first is None else first
+                    filled = 0
+
+        for offset, data in pieces:
+            if offset > position:
+                put(None, offset - position)
+            put(data, data.numel())
+            position = offset + data.numel()
+        put(None, padded(nbytes) - position)
+        if filled:
+            at = self.file.append(chunk.narrow(0, 0, filled))
+            first = at if first is None else first
+        self.regions[index] = (first, nbytes)
+        return self.file.view(first, nbytes)
 
     def finish(self) -> None:
         if self._file is not None:
@@ -161,6 +191,8 @@ class DiskTier:
     def _take(self, wait: bool, protect: Sequence[int]) -> Optional[_Staging]:
         """A staging buffer free for a new read: no block in it, its last copy done. With ``wait``, wait for the
         oldest copy, or drop a read-ahead the manager does not need next (never one in ``protect``)."""
+        self._ensure_ring(self._largest)
+        self._chunk = None  # packing is over: the write buffer goes before the ring is used
         for staging in self.ring:
             if staging.block is None and copy_finished(staging.copy, wait=False):
                 staging.copy = None

@@ -109,13 +109,23 @@ def _headroom_at(directory: str, limit_file: str, usage_file: str, read_text: Re
     usage = _parse_int(read_text(f"{directory}/{usage_file}"))
     if usage is None:
         return None
-    # Usage counts page cache; the kernel reclaims inactive file pages before it OOM-kills, so count
-    # them as available (the "working set" that docker and the kubelet report).
-    usage -= min(usage, _stat_field(read_text(f"{directory}/memory.stat"), _INACTIVE_FILE[limit_file]))
+    # Usage counts page cache, which the kernel reclaims before it OOM-kills: every clean file page, active or
+    # not (shared memory, dirty pages and pages under writeback excepted). That is what a ComfyUI alone can grow
+    # into, so it counts as available; at least the inactive file pages (the "working set" that docker and the
+    # kubelet report) where the finer fields are missing.
+    stat = read_text(f"{directory}/memory.stat")
+    names = _STAT_NAMES[limit_file]
+    clean = _stat_field(stat, names["file"]) - sum(_stat_field(stat, names[k]) for k in ("shmem", "dirty", "writeback"))
+    usage -= min(usage, max(clean, _stat_field(stat, names["inactive_file"])))
     return max(0, limit - usage)
 
 
-_INACTIVE_FILE = {"memory.max": "inactive_file", "memory.limit_in_bytes": "total_inactive_file"}
+_STAT_NAMES = {
+    "memory.max": {"file": "file", "shmem": "shmem", "dirty": "file_dirty", "writeback": "file_writeback",
+                   "inactive_file": "inactive_file"},
+    "memory.limit_in_bytes": {"file": "total_cache", "shmem": "total_shmem", "dirty": "total_dirty",
+                              "writeback": "total_writeback", "inactive_file": "total_inactive_file"},
+}
 
 
 def cgroup_headroom_bytes(read_text: ReadText = _read_text, mount: str = "/sys/fs/cgroup") -> Optional[int]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Callable, Dict, List, Optional, Protocol, Sequence, runtime_checkable
+from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
@@ -13,7 +13,7 @@ from .checkpoint_file import drop_cached_pages
 from .disk_budget import (PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers,
                           refusal)
 from .disk_file import disk_tier_unsupported, padded
-from .disk_tier import DiskTier
+from .disk_tier import CHUNK_BYTES, DiskTier
 from .file_mappings import MappedFiles, checkpoint_extents
 from .host_memory import available_host_bytes, pinnable_bytes
 from .pinning import default_pinner, return_freed_host_memory
@@ -198,6 +198,8 @@ class HostSide:
             if plan.disk_blocks:
                 log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s) in %s", plan.disk_blocks,
                          len(self.blocks), plan.reason, self.disk_folder or default_disk_folder())
+        if indices:  # the blocks bound for disk first: they free ComfyUI's copies before any RAM block needs room
+            indices = sorted(indices, key=lambda i: not self.tier_plan.disk[i])
         for done, index in enumerate(indices, 1):
             params.repacked(index, self._pack(index, mapped_files))
             packed(index)
@@ -230,7 +232,9 @@ class HostSide:
             mode = "ram"
         waiting_set = set(waiting)
         named = [block_parameters(block) for block in self.blocks]
-        sizes = [plan_layout(n).nbytes for n in named]
+        layouts = [plan_layout(n) for n in named]
+        sizes = [layout.nbytes for layout in layouts]
+        padding = [layout.nbytes - sum(e.span_elements * e.dtype.itemsize for e in layout.entries) for layout in layouts]
         if mapped_files is None and waiting_set:
             mapped_files = MappedFiles()
         freed = [freed_by_packing([p for _, p in n], mapped_files) if i in waiting_set else 0
@@ -240,7 +244,8 @@ class HostSide:
         return plan_host_tiers(
             sizes, freed, mode, self.available_host_bytes(),
             ring_bytes=lambda tiers: ring * max((padded(s) for s, d in zip(sizes, tiers) if d), default=0),
-            margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(len(self.blocks))],
+            margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(len(self.blocks))], chunk_bytes=CHUNK_BYTES,
+            padding_bytes=padding,
             already_disk=[disk is not None and disk.holds(i) for i in range(len(self.blocks))])
 
     def _disk_tier(self, expected_bytes: int) -> DiskTier:
@@ -264,8 +269,8 @@ class HostSide:
         named = block_parameters(self.blocks[index])
         nbytes = plan_layout(named).nbytes
         available = self.available_host_bytes()
-        # What would really fail: the block's new buffer (or the first staging ring) before ComfyUI's copy goes.
-        need = (0 if self.disk is not None else ring) if on_disk else nbytes
+        # What would really fail: the block's new buffer (a disk block's write chunk) before ComfyUI's copy goes.
+        need = min(nbytes, CHUNK_BYTES) if on_disk else nbytes
         if available is not None and available < need + PACKING_SLACK_BYTES:
             tiers = plan.disk if plan is not None else (False,) * len(self.blocks)
             raise MemoryError(self._refusal(TierPlan(tiers, need, need, ring, available, 0)))
@@ -284,7 +289,7 @@ class HostSide:
                 total = sum(layout.nbytes for layout in self.store.layouts)
                 tier = self._disk_tier(total)
                 tier.expected_bytes = max(tier.expected_bytes, total)
-                self.store.buffers[index] = tier.write(index, layout.nbytes, lambda buffer: _fill(buffer, layout))
+                self.store.buffers[index] = tier.write(index, layout.nbytes, _block_pieces(layout, sources))
             else:
                 if self.disk is not None:
                     self.disk.forget(index)
@@ -375,17 +380,31 @@ class HostSide:
         plan = self._plan_tiers(waiting, mode)
         if plan.shortfall() is None:
             return None
-        return self._refusal(plan, settings)
+        return self._refusal(plan, settings, waiting)
 
-    def _refusal(self, plan: TierPlan, settings: Optional[str] = None) -> str:
+    def _refusal(self, plan: TierPlan, settings: Optional[str] = None, waiting: Optional[Sequence[int]] = None) -> str:
         config = self.config
         settings = settings or (f"resident_layers={config.resident_layers}, prefetch_size={config.prefetch_size}, "
                                 f"pin_memory={self.pin_memory}, host_store={config.host_store}")
-        return refusal(plan, settings, self.ring_size, len(self.blocks), disk_tier_unsupported())
+        unsupported = disk_tier_unsupported()
+        disk_fits = True
+        if unsupported is None and plan.disk_blocks < len(self.blocks):
+            waiting = range(len(self.blocks)) if waiting is None else waiting
+            disk_fits = self._plan_tiers(waiting, "disk").shortfall() is None
+        return refusal(plan, settings, self.ring_size, len(self.blocks), unsupported, disk_fits)
 
 
-def _fill(buffer: torch.Tensor, layout) -> None:
-    """Pack a block's current parameter bytes into ``buffer`` (what HostStore.pack_block does into its own)."""
+def _block_pieces(layout, sources) -> Iterator[Tuple[int, torch.Tensor]]:
+    """A block's bytes as the store lays them out, entry by entry: (offset in the block, flat uint8 tensor). A
+    dense entry is its weight's own bytes (no copy); a strided one is laid out in a buffer of its own span."""
     with torch.no_grad():
-        for view, source in zip(layout.views(buffer), _packed_sources(layout)):
-            view.copy_(source)
+        for entry, source in sorted(zip(layout.entries, sources), key=lambda pair: pair[0].offset):
+            nbytes = entry.span_elements * entry.dtype.itemsize
+            dense = (source.is_contiguous() and source.dtype == entry.dtype and source.numel() == entry.span_elements
+                     and tuple(source.stride()) == tuple(entry.stride))
+            if dense and source.device.type == "cpu":
+                yield entry.offset, source.detach().reshape(-1).view(torch.uint8)
+                continue
+            spread = torch.zeros(nbytes, dtype=torch.uint8)
+            spread.view(entry.dtype).as_strided(entry.shape, entry.stride).copy_(source)
+            yield entry.offset, spread

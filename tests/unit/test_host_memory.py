@@ -75,6 +75,20 @@ def test_cgroup_v2_limit_minus_usage_less_inactive_file():
     assert cgroup_headroom_bytes(fs) == 8 * GiB - (3 * GiB - 512 * MiB)
 
 
+def test_cgroup_v2_counts_every_clean_file_page_as_reclaimable():
+    """Page cache the kernel reclaims before an OOM kill, active or not (a model file just read is mostly active):
+    all of it but shared memory, dirty pages and pages under writeback. ComfyUI alone grows into it."""
+    fs = fake_fs({
+        "/proc/self/cgroup": "0::/app\n",
+        "/sys/fs/cgroup/app/memory.max": f"{3 * GiB}\n",
+        "/sys/fs/cgroup/app/memory.current": f"{3 * GiB - 10 * MiB}\n",
+        "/sys/fs/cgroup/app/memory.stat": (f"anon {GiB}\nfile {2 * GiB}\nshmem {64 * MiB}\nfile_dirty {32 * MiB}\n"
+                                           f"file_writeback 0\ninactive_file {100 * MiB}\nactive_file {1900 * MiB}\n"),
+    })
+    reclaimable = 2 * GiB - 64 * MiB - 32 * MiB
+    assert cgroup_headroom_bytes(fs) == 3 * GiB - (3 * GiB - 10 * MiB - reclaimable)
+
+
 def test_cgroup_v2_parent_limit_binds():
     fs = fake_fs({
         "/proc/self/cgroup": "0::/a/b\n",
