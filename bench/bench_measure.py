@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..offload import choose_resident_blocks
+from ..offload import choose_resident_blocks, footprint, largest_fitting
 
 # ----------------------------------------------------------------------------------------------- small helpers
 def size_text(nbytes) -> str:
@@ -51,11 +51,8 @@ def parse_budget(text: str, non_block: int, block_total: int) -> Tuple[str, int]
 
 def our_footprint(block_nbytes: Sequence[int], non_block: int, resident: int, prefetch: int, policy: str) -> int:
     """What the node reports as ``model_size()``: non-block weights + resident blocks + (prefetch+1) slots."""
-    keep = choose_resident_blocks(len(block_nbytes), resident, policy)
-    resident_bytes = sum(b for b, k in zip(block_nbytes, keep) if k)
-    streamed = [b for b, k in zip(block_nbytes, keep) if not k]
-    slots = min(prefetch + 1, len(streamed))
-    return non_block + resident_bytes + (slots * max(streamed) if streamed else 0)
+    return non_block + footprint(block_nbytes, choose_resident_blocks(len(block_nbytes), resident, policy),
+                                 prefetch).total
 
 
 def streamed_bytes(block_nbytes: Sequence[int], resident: int, policy: str) -> int:
@@ -75,9 +72,10 @@ def equivalent_blocks(block_nbytes: Sequence[int], nbytes: float) -> float:
 
 
 def largest_fitting_resident(block_nbytes, non_block, budget, prefetch, policy) -> Optional[int]:
-    fitting = [r for r in range(len(block_nbytes) + 1)
-               if our_footprint(block_nbytes, non_block, r, prefetch, policy) <= budget]
-    return max(fitting) if fitting else None
+    def fits(count: int) -> bool:
+        return our_footprint(block_nbytes, non_block, count, prefetch, policy) <= budget
+    count = largest_fitting(fits, len(block_nbytes))
+    return count if fits(count) else None
 
 
 # ----------------------------------------------------------------------------------------------- ComfyUI hooks

@@ -21,7 +21,8 @@ import comfy.model_management
 
 from ..offload.device_backend import normalize_device
 from ..offload.hooks import cuda_graph_refusal
-from ..offload import LayerwiseOffloadManager, OffloadConfig, Schedule, choose_resident_blocks, resolve_resident_count
+from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, choose_resident_blocks, largest_fitting,
+                       resolve_resident_count)
 from ..offload.advice import activation_words, recommend
 from ..offload.activation_model import block_width
 from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
@@ -241,9 +242,7 @@ class OffloadController:
         wanted = resolve_resident_count(self.config.resident_layers, self.manager.num_blocks)
         if self.auto:
             wanted = self.manager.num_blocks  # auto plans at the first forward; the budget still caps it
-        count = wanted
-        while count > 0 and self._planned_block_bytes(count) > budget:
-            count -= 1
+        count = largest_fitting(lambda c: self._planned_block_bytes(c) <= budget, wanted)
         if count < wanted and not self.auto:
             log.info("[layerwise-offload] ComfyUI's VRAM budget (%s) fits %d of the %d resident blocks asked for",
                      _gib(budget), count, wanted)
@@ -257,9 +256,7 @@ class OffloadController:
         """ComfyUI asks for ``nbytes`` back: demote residents from the tail until the plan is that
         much smaller, and release the device memory now (the smaller plan arms at the next forward)."""
         held = self.manager.device_bytes()
-        count = self.manager.resident_count()
-        while count > 0 and held - self._planned_block_bytes(count) < nbytes:
-            count -= 1
+        count = largest_fitting(lambda c: held - self._planned_block_bytes(c) >= nbytes, self.manager.resident_count())
         self.resident_cap = count
         self.manager.release_all()
         freed = held - self.manager.device_bytes()

@@ -7,7 +7,7 @@ with a prefetch window on a side stream. Nothing here imports ComfyUI.
 from .config import POLICIES, OffloadConfig, resolve_resident_count
 from .manager import LayerwiseOffloadManager
 from .planner import ResidencyPlan, estimate_activation_bytes, plan_residency
-from .schedule import Schedule, choose_resident_blocks
+from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
 from .stats import OffloadStats
 
 __all__ = [
@@ -17,8 +17,11 @@ __all__ = [
     "OffloadStats",
     "ResidencyPlan",
     "Schedule",
+    "Footprint",
     "apply_layerwise_offload",
     "choose_resident_blocks",
+    "footprint",
+    "largest_fitting",
     "estimate_activation_bytes",
     "plan_residency",
     "resolve_resident_count",

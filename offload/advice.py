@@ -34,8 +34,9 @@ def block_tiers(manager) -> str:
 
 def slot_count(manager) -> int:
     """The streaming slots the manager's plan holds on the device (its ring of ``prefetch_size + 1``)."""
-    streamed = len(manager.schedule.streamed_blocks) if manager.schedule is not None else 0
-    return min(manager.config.prefetch_size + 1, streamed)
+    if manager.schedule is None:
+        return 0
+    return manager.schedule.footprint(manager.block_nbytes(), manager.config.prefetch_size).slot_count
 
 
 def activation_words(source: str) -> str:

@@ -225,14 +225,12 @@ class LayerwiseOffloadManager:
         self.prepare()
         schedule = self._make_schedule()
         sizes = self.block_nbytes()
-        streamed = schedule.streamed_blocks
-        slot_count = min(self.config.prefetch_size + 1, len(streamed))
-        slot_bytes = max((sizes[i] for i in streamed), default=0)
+        plan = schedule.footprint(sizes, self.config.prefetch_size)
         move_block_buffers(self.blocks, self.device)
         self._sync_pinning(schedule)
         memory = self.device_memory
         memory.inference = self.inference_tensors
-        allocated = memory.hold([(i, sizes[i]) for i in schedule.resident_blocks], slot_count, slot_bytes,
+        allocated = memory.hold([(i, sizes[i]) for i in schedule.resident_blocks], plan.slot_count, plan.slot_size,
                                 self.backend.mark_compute)
         self.schedule = schedule
         self.calls.set_plan(schedule.resident)

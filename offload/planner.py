@@ -23,7 +23,7 @@ from typing import Optional, Sequence, Tuple
 
 from .activation_model import find_line, line_bytes, tokens_for
 from .config import POLICIES
-from .schedule import choose_resident_blocks
+from .schedule import choose_resident_blocks, footprint, largest_fitting
 
 __all__ = ["ResidencyPlan", "plan_residency", "ActivationEstimate", "forward_activation_bytes",
            "estimate_activation_bytes", "describe", "format_bytes"]
@@ -78,14 +78,6 @@ def _check_bytes(name: str, value) -> int:
     return int(value)
 
 
-def _footprint(sizes: Sequence[int], resident: Sequence[bool], prefetch_size: int):
-    resident_bytes = sum(s for s, keep in zip(sizes, resident) if keep)
-    streamed = [s for s, keep in zip(sizes, resident) if not keep]
-    slot_count = min(prefetch_size + 1, len(streamed))
-    slot_bytes = slot_count * max(streamed, default=0)
-    return resident_bytes, sum(streamed), slot_count, slot_bytes
-
-
 def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes: int = 0,
                    activation_bytes: int = 0, non_block_bytes: int = 0, prefetch_size: int = 1,
                    policy: str = "leading") -> ResidencyPlan:
@@ -117,20 +109,21 @@ def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes
 
     overhead = activation_bytes + reserve_bytes + non_block_bytes
     n = len(sizes)
-    for count in range(n, -1, -1):
-        resident = choose_resident_blocks(n, count, policy)
-        resident_bytes, streamed_bytes, slot_count, slot_bytes = _footprint(sizes, resident, prefetch_size)
-        required = resident_bytes + slot_bytes + overhead
-        if required <= free_bytes or count == 0:
-            return ResidencyPlan(
-                num_blocks=n, resident_count=count, resident=tuple(resident),
-                resident_bytes=resident_bytes, streamed_bytes=streamed_bytes,
-                slot_bytes=slot_bytes, slot_count=slot_count,
-                activation_bytes=activation_bytes, reserve_bytes=reserve_bytes,
-                non_block_bytes=non_block_bytes, free_bytes=free_bytes,
-                required_bytes=required, headroom_bytes=free_bytes - required,
-                fits=required <= free_bytes, policy=policy, prefetch_size=int(prefetch_size))
-    raise AssertionError("unreachable: count 0 always returns")
+
+    def required(count: int) -> int:
+        return footprint(sizes, choose_resident_blocks(n, count, policy), prefetch_size).total + overhead
+    count = largest_fitting(lambda c: required(c) <= free_bytes, n)
+    resident = choose_resident_blocks(n, count, policy)
+    plan = footprint(sizes, resident, prefetch_size)
+    need = plan.total + overhead
+    return ResidencyPlan(
+        num_blocks=n, resident_count=count, resident=tuple(resident),
+        resident_bytes=plan.resident_bytes, streamed_bytes=plan.streamed_bytes,
+        slot_bytes=plan.slot_bytes, slot_count=plan.slot_count,
+        activation_bytes=activation_bytes, reserve_bytes=reserve_bytes,
+        non_block_bytes=non_block_bytes, free_bytes=free_bytes,
+        required_bytes=need, headroom_bytes=free_bytes - need,
+        fits=need <= free_bytes, policy=policy, prefetch_size=int(prefetch_size))
 
 
 @dataclass(frozen=True)

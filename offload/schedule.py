@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import List, Sequence, Tuple
+from typing import Callable, List, Sequence, Tuple
 
 
 def choose_resident_blocks(num_blocks: int, resident_count: int, policy: str) -> Tuple[bool, ...]:
@@ -23,6 +23,43 @@ def choose_resident_blocks(num_blocks: int, resident_count: int, policy: str) ->
         streamed = {int((k + 0.5) * num_blocks / streamed_count) for k in range(streamed_count)}
         return tuple(i not in streamed for i in range(num_blocks))
     raise ValueError(f"unknown residency policy {policy!r}")
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a residency plan holds on the device once armed: each resident block's own buffer, and a ring of
+    ``slot_count`` slots of ``slot_size`` (the largest streamed block) for the streamed ones. This is the figure
+    ComfyUI plans VRAM from (with the non-block weights), so it is computed here and nowhere else."""
+
+    resident_bytes: int
+    streamed_bytes: int
+    slot_count: int
+    slot_size: int
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.slot_count * self.slot_size
+
+    @property
+    def total(self) -> int:
+        return self.resident_bytes + self.slot_bytes
+
+
+def footprint(sizes: Sequence[int], resident: Sequence[bool], prefetch_size: int) -> Footprint:
+    """The device footprint of keeping ``resident`` blocks (of ``sizes`` bytes) with a prefetch window of
+    ``prefetch_size``: ``prefetch_size + 1`` slots (fewer when fewer blocks stream) of the largest streamed block."""
+    streamed = [size for size, keep in zip(sizes, resident) if not keep]
+    return Footprint(resident_bytes=sum(size for size, keep in zip(sizes, resident) if keep),
+                     streamed_bytes=sum(streamed), slot_count=min(prefetch_size + 1, len(streamed)),
+                     slot_size=max(streamed, default=0))
+
+
+def largest_fitting(fits: Callable[[int], bool], start: int) -> int:
+    """The largest resident count from ``start`` down for which ``fits(count)`` holds; 0 when none does."""
+    count = start
+    while count > 0 and not fits(count):
+        count -= 1
+    return count
 
 
 @dataclass(frozen=True)
@@ -56,12 +93,12 @@ class Schedule:
             positions.append(k % len(streamed) if streamed else 0)
         return tuple(positions)
 
+    def footprint(self, sizes: Sequence[int], prefetch_size: int) -> Footprint:
+        """What the plan holds on the device once armed (:func:`footprint`)."""
+        return footprint(sizes, self.resident, prefetch_size)
+
     def device_bytes(self, sizes: Sequence[int], prefetch_size: int) -> int:
-        """What the plan holds on the device once armed: each resident's buffer, and ``prefetch_size + 1``
-        slots (fewer when fewer blocks stream) of the largest streamed block."""
-        streamed = [sizes[i] for i in self.streamed_blocks]
-        slots = min(prefetch_size + 1, len(streamed))
-        return sum(sizes[i] for i in self.resident_blocks) + slots * max(streamed, default=0)
+        return self.footprint(sizes, prefetch_size).total
 
     def upcoming_streamed(self, after_block: int, count: int) -> List[int]:
         """The next ``count`` streamed blocks after ``after_block``, wrapping into the next step."""
