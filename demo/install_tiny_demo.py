@@ -12,11 +12,15 @@ output/, both for a plain ComfyUI checkout and for a --base-directory such as Co
 - models/diffusion_models/layerwise_offload_tiny_wan21.safetensors: a Wan 2.1 T2V with 4 blocks, random weights
   (19 MB);
 - models/vae/layerwise_offload_tiny_wan21_vae.safetensors: a random Wan 2.1 VAE at width 8 (4 MB);
-- output/layerwise_offload_tiny_wan21_cond/shard_00000.pkl: one T5-shaped conditioning for the core node
-  *Load Training Dataset* (a real Wan needs the 5.7B UMT5-XXL text encoder, which has no tiny form).
+- layerwise_offload_tiny_wan21_cond/ (shard_00000.pkl and metadata.json): one T5-shaped conditioning for the
+  core node *Load Training Dataset* (a real Wan needs the 5.7B UMT5-XXL text encoder, which has no tiny form),
+  where that node reads it: ComfyUI 0.3.75 and 0.14.1 read a folder of output/, 0.33.0 lists the folders of
+  datasets/ that hold a metadata.json. The ComfyUI code beside models/ says which; a folder without it (a
+  --base-directory such as ComfyUI Desktop's) gets both.
 
-`--comfyui DIR` names the folder yourself; `--models-dir` / `--output-dir` override one each (for ComfyUI started
-with --output-directory, say). Files already written by this version are kept (`--force` rewrites them).
+`--comfyui DIR` names the folder yourself; `--models-dir` / `--output-dir` / `--datasets-dir` override one each
+(for ComfyUI started with --output-directory, say; a folder named so is always written). Files already written by
+this version are kept (`--force` rewrites them).
 
 Only torch and safetensors are needed (ComfyUI has both): the tensors' names and shapes are those of ComfyUI's own
 Wan 2.1 classes, listed in tiny_demo_tensors.json beside this file, so the script imports no ComfyUI code and runs
@@ -41,6 +45,8 @@ TENSORS_FILE = HERE / "tiny_demo_tensors.json"
 WAN21_FILE = "layerwise_offload_tiny_wan21.safetensors"
 VAE_FILE = "layerwise_offload_tiny_wan21_vae.safetensors"
 COND_FOLDER = "layerwise_offload_tiny_wan21_cond"
+#: Where each ComfyUI's *Load Training Dataset* reads a saved dataset from (its folder_name is the folder's name).
+COND_IN_OUTPUT, COND_IN_DATASETS = "output", "datasets"
 COND_TOKENS = 8
 TEXT_DIM = 4096
 SEED = 0
@@ -80,6 +86,28 @@ def find_comfyui(pack: Optional[Path] = None) -> Path:
     return root
 
 
+def cond_places(root: Optional[Path]) -> Tuple[str, ...]:
+    """Where the ComfyUI at ``root`` has *Load Training Dataset* look for the saved conditioning, from its own code
+    (comfy_extras/nodes_dataset.py): ``("datasets",)`` for one that lists the folders of datasets/ (0.33.0),
+    ``("output",)`` for one that reads a folder of output/ (0.3.75, 0.14.1), both when ``root`` holds no such
+    code (a --base-directory, e.g. ComfyUI Desktop's, or a folder named with --comfyui before ComfyUI is there)."""
+    source = root / "comfy_extras" / "nodes_dataset.py" if root is not None else None
+    try:
+        text = source.read_text(encoding="utf-8", errors="replace") if source is not None else ""
+    except OSError:
+        text = ""
+    start = text.find("class LoadTrainingDataset")
+    if start < 0:
+        return (COND_IN_OUTPUT, COND_IN_DATASETS)
+    end = text.find("\nclass ", start + 1)
+    body = text[start:end if end > 0 else len(text)]
+    if "get_output_directory()" in body:
+        return (COND_IN_OUTPUT,)
+    if "dataset_dir(" in body or '"datasets"' in body:
+        return (COND_IN_DATASETS,)
+    return (COND_IN_OUTPUT, COND_IN_DATASETS)
+
+
 # --------------------------------------------------------------------------------------------------- tensors
 
 def _tensor_specs() -> Dict[str, List[Tuple[str, List[int]]]]:
@@ -103,6 +131,11 @@ def random_weights(specs: Sequence[Tuple[str, Sequence[int]]], seed: int):
         else:
             out[name] = 0.02 * torch.randn(shape, generator=gen, dtype=torch.float32)
     return out
+
+
+#: What ComfyUI's Save Training Dataset writes beside the shards; newer ComfyUIs list a datasets/ folder only if
+#: it holds this file (or a .safetensors).
+COND_METADATA = {"num_samples": 1, "num_shards": 1, "shard_size": 1000}
 
 
 def conditioning(seed: int = SEED, tokens: int = COND_TOKENS):
@@ -145,13 +178,18 @@ def _replace(path: Path, write) -> None:
             tmp.unlink()
 
 
-def install(models_dir: "os.PathLike | str", output_dir: "os.PathLike | str", seed: int = SEED,
-            force: bool = False) -> Dict[str, str]:
-    """Write the three demo files and return ``{"wan21" | "vae" | "cond": path}``."""
+def install(models_dir: "os.PathLike | str", output_dir: "os.PathLike | str | None", seed: int = SEED,
+            force: bool = False, datasets_dir: "os.PathLike | str | None" = None) -> Dict[str, str]:
+    """Write the two models and the saved conditioning, the latter into ``<output_dir>/<COND_FOLDER>`` and into
+    ``<datasets_dir>/<COND_FOLDER>``, each that is not None, and return ``{"wan21" | "vae": path}`` plus
+    ``"cond"`` (the output/ one) and ``"cond_dataset"`` (the datasets/ one) for those written. Both conditioning
+    folders hold the same files (the shard and metadata.json)."""
     import safetensors.torch
     import torch
 
-    models_dir, output_dir = Path(models_dir), Path(output_dir)
+    if output_dir is None and datasets_dir is None:
+        raise ValueError("install() needs output_dir or datasets_dir for the conditioning")
+    models_dir = Path(models_dir)
     specs, stamp = _tensor_specs(), recipe(seed)
     jobs = {"wan21": (models_dir / "diffusion_models" / WAN21_FILE, "tiny random Wan 2.1 T2V, 4 blocks"),
             "vae": (models_dir / "vae" / VAE_FILE, "tiny random Wan 2.1 VAE, width 8")}
@@ -162,9 +200,14 @@ def install(models_dir: "os.PathLike | str", output_dir: "os.PathLike | str", se
             _replace(path, lambda tmp: safetensors.torch.save_file(
                 sd, str(tmp), metadata={"layerwise_offload": what, _RECIPE_KEY: stamp}))
         out[kind] = str(path)
-    folder = output_dir / COND_FOLDER
-    _replace(folder / "shard_00000.pkl", lambda tmp: torch.save(conditioning(seed), str(tmp)))
-    out["cond"] = str(folder)
+    for key, parent in (("cond", output_dir), ("cond_dataset", datasets_dir)):
+        if parent is None:
+            continue
+        folder = Path(parent) / COND_FOLDER
+        _replace(folder / "shard_00000.pkl", lambda tmp: torch.save(conditioning(seed), str(tmp)))
+        _replace(folder / "metadata.json",
+                 lambda tmp: tmp.write_text(json.dumps(COND_METADATA, indent=2) + "\n", encoding="utf-8"))
+        out[key] = str(folder)
     return out
 
 
@@ -173,12 +216,18 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--comfyui", help="the ComfyUI folder (or its --base-directory) to write into; default: the "
                                       "one this pack is installed in")
     ap.add_argument("--models-dir", help="models folder (default: <comfyui>/models)")
-    ap.add_argument("--output-dir", help="ComfyUI's output folder (default: <comfyui>/output)")
+    ap.add_argument("--output-dir", help="ComfyUI's output folder, where ComfyUI up to 0.14 reads the saved "
+                                          "conditioning (default: <comfyui>/output, if that ComfyUI reads it there)")
+    ap.add_argument("--datasets-dir", help="ComfyUI's datasets folder, where newer ComfyUIs (0.33) read it "
+                                           "(default: <comfyui>/datasets, if that ComfyUI reads it there)")
     ap.add_argument("--force", action="store_true", help="rewrite the files even when they are current")
     a = ap.parse_args(argv)
     try:
         root = Path(a.comfyui).expanduser().resolve() if a.comfyui else find_comfyui()
-        written = install(a.models_dir or root / "models", a.output_dir or root / "output", force=a.force)
+        places = cond_places(root)
+        output_dir = a.output_dir or (root / "output" if COND_IN_OUTPUT in places else None)
+        datasets_dir = a.datasets_dir or (root / "datasets" if COND_IN_DATASETS in places else None)
+        written = install(a.models_dir or root / "models", output_dir, force=a.force, datasets_dir=datasets_dir)
     except (DemoError, OSError) as e:
         print(f"{_LOG} ERROR: {e}", file=sys.stderr)
         return 1

@@ -8,8 +8,10 @@ against them, bitwise, on every tested ComfyUI.
 
 * **Conditioning without a text encoder.** A Wan graph needs UMT5-XXL (5.7B parameters, fixed size). ComfyUI's core
   node ``LoadTrainingDataset`` (comfy_extras/nodes_dataset.py) ``torch.load``\\s (``weights_only=True``) every
-  ``shard_*.pkl`` in ``<output>/<folder_name>/`` and returns latents and conditionings, so one shard with one
-  T5-shaped conditioning ``[1, tokens, 4096]`` stands in; the negative comes from ``ConditioningZeroOut``.
+  ``shard_*.pkl`` in ``<output>/<folder_name>/`` (ComfyUI 0.3.75, 0.14.1) or ``<datasets>/<folder_name>/``
+  (0.33.0, which offers only the folders of datasets/ holding a metadata.json) and returns latents and
+  conditionings, so one shard with one T5-shaped conditioning ``[1, tokens, 4096]`` stands in; the negative comes
+  from ``ConditioningZeroOut``. The test servers' base folders get it in both places (:func:`copy_cond`).
 * **A tiny Wan 2.1 VAE.** ComfyUI reads the Wan 2.1 VAE width from ``decoder.head.0.gamma`` (comfy/sd.py), so a
   random ``comfy.ldm.wan.vae.WanVAE(dim=8)`` is detected by ``VAELoader``.
 * **A model that is not a DiT**, for the error path (tests only, written here): an SD1.5-family UNet
@@ -17,7 +19,7 @@ against them, bitwise, on every tested ComfyUI.
 
 Command line (used by scripts/run.sh)::
 
-    python -P devtools/e2e_assets.py --base <ComfyUI base folder>     # models/ and output/ under it
+    python -P devtools/e2e_assets.py --base <ComfyUI base folder>     # models/, output/ and datasets/ under it
     python -P devtools/e2e_assets.py --write-tensors                  # demo/tiny_demo_tensors.json
 
 Everything is deterministic (fixed seeds) and skipped when the file already exists with the same recipe.
@@ -58,6 +60,7 @@ __all__ = [
     "comfyui_tensor_specs",
     "save_tiny_sd15_unet",
     "install_demo_assets",
+    "copy_cond",
     "tiny_wan_prompt",
     "main",
 ]
@@ -68,7 +71,8 @@ _demo_spec = importlib.util.spec_from_file_location(
 demo = importlib.util.module_from_spec(_demo_spec)
 _demo_spec.loader.exec_module(demo)
 
-#: File names under models/diffusion_models, models/vae and output/ (what the tiny workflow and the tests refer to).
+#: File names under models/diffusion_models, models/vae and output/ or datasets/ (what the tiny workflow and the
+#: tests refer to).
 TINY_WAN21_NAME = demo.WAN21_FILE
 TINY_WAN21_VAE_NAME = demo.VAE_FILE
 TINY_SD15_UNET_NAME = "layerwise_offload_tiny_sd15_unet.safetensors"
@@ -148,13 +152,15 @@ def _stamp(seed: int) -> str:
     return hashlib.sha256(Path(__file__).read_bytes() + f"{_RECIPE_VERSION}:{seed}".encode()).hexdigest()[:16]
 
 
-def install_demo_assets(models_dir: "os.PathLike | str", output_dir: "os.PathLike | str", seed: int = 0,
-                        with_sd15: bool = True, force: bool = False) -> Dict[str, str]:
-    """Write every tiny asset into a ComfyUI layout and return ``{kind: path}``: ``wan21``, ``vae`` and ``cond``
-    as demo/install_tiny_demo.py writes them for a user, and ``sd15`` (if ``with_sd15``):
+def install_demo_assets(models_dir: "os.PathLike | str", output_dir: "os.PathLike | str | None", seed: int = 0,
+                        with_sd15: bool = True, force: bool = False,
+                        datasets_dir: "os.PathLike | str | None" = None) -> Dict[str, str]:
+    """Write every tiny asset into a ComfyUI layout and return ``{kind: path}``: ``wan21``, ``vae``, ``cond``
+    (under ``output_dir``) and ``cond_dataset`` (under ``datasets_dir``, if given) as demo/install_tiny_demo.py
+    writes them for a user, and ``sd15`` (if ``with_sd15``):
     ``<models_dir>/diffusion_models/layerwise_offload_tiny_sd15_unet.safetensors``, with a stamp file beside it
     recording its recipe (a file with a matching stamp is not rewritten)."""
-    out = demo.install(models_dir, output_dir, seed=seed, force=force)
+    out = demo.install(models_dir, output_dir, seed=seed, force=force, datasets_dir=datasets_dir)
     if with_sd15:
         path = Path(models_dir) / "diffusion_models" / TINY_SD15_UNET_NAME
         stamp, stamp_file = _stamp(seed), path.with_name(path.name + ".stamp")
@@ -165,6 +171,17 @@ def install_demo_assets(models_dir: "os.PathLike | str", output_dir: "os.PathLik
             os.replace(tmp, stamp_file)
         out["sd15"] = str(path)
     return out
+
+
+def copy_cond(assets: Dict[str, str], base: "os.PathLike | str") -> None:
+    """Copy the saved conditioning of ``assets`` (:func:`install_demo_assets`) into the ComfyUI base folder
+    ``base`` where every tested ComfyUI's *Load Training Dataset* reads it: output/ (0.3.75, 0.14.1) and
+    datasets/ (0.33.0)."""
+    import shutil
+
+    src = Path(assets.get("cond") or assets["cond_dataset"])
+    for parent in ("output", "datasets"):
+        shutil.copytree(src, Path(base) / parent / TINY_COND_FOLDER, dirs_exist_ok=True)
 
 
 def tiny_wan_prompt(loader: dict, model_node: dict, seed: int, steps: int, prefix: str) -> dict:
@@ -200,9 +217,11 @@ def main(argv: Optional[list] = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(description="Write the tiny demo/test assets into a ComfyUI base folder.")
-    ap.add_argument("--base", help="ComfyUI base folder (holds models/ and output/)")
+    ap.add_argument("--base", help="ComfyUI base folder (holds models/, output/ and datasets/)")
     ap.add_argument("--models-dir", help="models folder (default: <base>/models)")
     ap.add_argument("--output-dir", help="output folder (default: <base>/output)")
+    ap.add_argument("--datasets-dir", help="datasets folder, where ComfyUI 0.33 reads the saved conditioning "
+                                           "(default: <base>/datasets)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-sd15", action="store_true", help="skip the tiny SD1.5 UNet (only the tests need it)")
     ap.add_argument("--force", action="store_true")
@@ -216,6 +235,7 @@ def main(argv: Optional[list] = None) -> int:
         ap.error("--base is required")
     base = Path(a.base).resolve()
     res = install_demo_assets(a.models_dir or base / "models", a.output_dir or base / "output", seed=a.seed,
-                              with_sd15=not a.no_sd15, force=a.force)
+                              with_sd15=not a.no_sd15, force=a.force,
+                              datasets_dir=a.datasets_dir or base / "datasets")
     print(json.dumps(res, indent=1))
     return 0

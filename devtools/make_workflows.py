@@ -37,23 +37,35 @@ plan_note = _graph.plan_note
 
 
 # --------------------------------------------------------------------------------------------------- workflows
+# The layout: a note on the left, then columns of nodes, compact enough that the frontend's fit to the window
+# (workflow_graph.fitted_view) draws the node text (tests/e2e/test_workflows.py checks the zoom). One-model
+# templates: loaders, the offload node and its stats (420 wide: web/js/stats.js); conditioning and latent; sampler
+# and output.
+GAP = 30
+NOTE_WIDTH = 400
+COL_A = NOTE_WIDTH + GAP
+COL_B = COL_A + 420 + GAP
+COL_C = COL_B + 320 + GAP
+WAN22_NOTE_WIDTH = 420
+TINY_NOTE_WIDTH = 400
+
 
 def flux1_dev() -> Dict[str, Any]:
     g = Graph(_wid("flux1_dev"))
-    unet = g.add(LOADER, (0, 0), ["flux1-dev.safetensors", "default"], size=(320, 82), color=LOADER_COLOR)
-    clip = g.add("DualCLIPLoader", (0, 140), ["clip_l.safetensors", "t5xxl_fp16.safetensors", "flux", "default"],
-                 size=(320, 130), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (0, 330), ["ae.safetensors"], size=(320, 58), color=LOADER_COLOR)
-    off = _offload(g, (400, 0))
-    pos = g.add("CLIPTextEncode", (400, 200), [
+    unet = g.add(LOADER, (COL_A, 0), ["flux1-dev.safetensors", "default"], size=(340, 82), color=LOADER_COLOR)
+    clip = g.add("DualCLIPLoader", (COL_A, 128), ["clip_l.safetensors", "t5xxl_fp16.safetensors", "flux",
+                                                  "default"], size=(340, 130), color=LOADER_COLOR)
+    vae = g.add("VAELoader", (COL_A, 304), ["ae.safetensors"], size=(340, 58), color=LOADER_COLOR)
+    off = _offload(g, (COL_A, 418))
+    pos = g.add("CLIPTextEncode", (COL_B, 0), [
         "a red fox sitting in fresh snow at sunrise, golden light, shallow depth of field, detailed fur"],
-        size=(400, 180), title="CLIP Text Encode (Positive Prompt)")
-    guid = g.add("FluxGuidance", (400, 420), [3.5], size=(320, 58))
-    neg = g.add("ConditioningZeroOut", (400, 520), [], size=(320, 26))
-    lat = g.add("EmptySD3LatentImage", (400, 600), [1024, 1024, 1], size=(320, 106))
-    ks = g.add("KSampler", (860, 0), [42, "fixed", 20, 1.0, "euler", "simple", 1.0], size=(320, 262))
-    dec = g.add("VAEDecode", (860, 320), [], size=(210, 46))
-    save = g.add("SaveImage", (1220, 0), ["layerwise_offload/flux1_dev"], size=(480, 520))
+        size=(320, 180), title="CLIP Text Encode (Positive Prompt)")
+    guid = g.add("FluxGuidance", (COL_B, 226), [3.5], size=(320, 58))
+    neg = g.add("ConditioningZeroOut", (COL_B, 330), [], size=(320, 26))
+    lat = g.add("EmptySD3LatentImage", (COL_B, 402), [1024, 1024, 1], size=(320, 106))
+    ks = g.add("KSampler", (COL_C, 0), [42, "fixed", 20, 1.0, "euler", "simple", 1.0], size=(320, 262))
+    dec = g.add("VAEDecode", (COL_C, 308), [], size=(210, 46))
+    save = g.add("SaveImage", (COL_C, 400), ["layerwise_offload/flux1_dev"], size=(320, 340))
     g.connect(unet, 0, off, "model")
     g.connect(off, 0, ks, "model")
     g.connect(clip, 0, pos, "clip")
@@ -65,15 +77,15 @@ def flux1_dev() -> Dict[str, Any]:
     g.connect(ks, 0, dec, "samples")
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, save, "images")
-    _stats(g, (860, 420), off, ks)
-    _note(g, (-560, 0), HOW_TO + """
+    _stats(g, (COL_A, 628), off, ks)
+    _note(g, (0, 0), HOW_TO + """
 ### Flux.1 [dev] (bf16)
 
 """ + plan_note("flux1_dev", "1024x1024") + """
 
 Files: `flux1-dev.safetensors` in models/diffusion_models, `clip_l.safetensors` and `t5xxl_fp16.safetensors` in
 models/text_encoders, `ae.safetensors` in models/vae.
-""", size=(520, 760))
+""", size=(NOTE_WIDTH, 864))
     return g.to_json()
 
 
@@ -81,29 +93,29 @@ WAN_POSITIVE = "a fox moving quickly in a beautiful winter scenery nature trees 
 WAN_NEGATIVE = "static, blurry, low quality, worst quality, jpeg artifacts, deformed, extra fingers, messy background"
 
 
-def _prompt_pair(g, x: int, y: int, positive: str, negative: str, negative_height: int = 160):
-    """The positive and negative CLIPTextEncode nodes, stacked at (x, y) and (x, y + 200)."""
-    pos = g.add("CLIPTextEncode", (x, y), [positive], size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
-    neg = g.add("CLIPTextEncode", (x, y + 200), [negative], size=(400, negative_height),
+def _prompt_pair(g, x: int, y: int, positive: str, negative: str, negative_height: int = 160, width: int = 320):
+    """The positive and negative CLIPTextEncode nodes, stacked at (x, y) and (x, y + 206)."""
+    pos = g.add("CLIPTextEncode", (x, y), [positive], size=(width, 160), title="CLIP Text Encode (Positive Prompt)")
+    neg = g.add("CLIPTextEncode", (x, y + 206), [negative], size=(width, negative_height),
                 title="CLIP Text Encode (Negative Prompt)")
     return pos, neg
 
 
 def wan21_t2v_14b() -> Dict[str, Any]:
     g = Graph(_wid("wan21_t2v_14b"))
-    unet = g.add(LOADER, (0, 0), ["wan2.1_t2v_14B_bf16.safetensors", "default"], size=(320, 82),
+    unet = g.add(LOADER, (COL_A, 0), ["wan2.1_t2v_14B_bf16.safetensors", "default"], size=(340, 82),
                  color=LOADER_COLOR)
-    clip = g.add("CLIPLoader", (0, 140), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
-                 size=(320, 106), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (0, 300), ["wan_2.1_vae.safetensors"], size=(320, 58), color=LOADER_COLOR)
-    off = _offload(g, (400, 0))
-    ms = g.add("ModelSamplingSD3", (400, 200), [8.0], size=(320, 58))
-    pos, neg = _prompt_pair(g, 400, 300, WAN_POSITIVE, WAN_NEGATIVE)
-    lat = g.add("EmptyHunyuanLatentVideo", (400, 700), [832, 480, 33, 1], size=(320, 130))
-    ks = g.add("KSampler", (860, 0), [42, "fixed", 30, 6.0, "uni_pc", "simple", 1.0], size=(320, 262))
-    dec = g.add("VAEDecode", (860, 320), [], size=(210, 46))
-    vid = g.add("CreateVideo", (860, 420), [16.0], size=(270, 78))
-    save = g.add("SaveVideo", (1220, 0), ["video/layerwise_offload_wan21", "auto", "auto"], size=(480, 420))
+    clip = g.add("CLIPLoader", (COL_A, 128), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
+                 size=(340, 106), color=LOADER_COLOR)
+    vae = g.add("VAELoader", (COL_A, 280), ["wan_2.1_vae.safetensors"], size=(340, 58), color=LOADER_COLOR)
+    off = _offload(g, (COL_A, 394))
+    ms = g.add("ModelSamplingSD3", (COL_B, 0), [8.0], size=(320, 58))
+    pos, neg = _prompt_pair(g, COL_B, 104, WAN_POSITIVE, WAN_NEGATIVE)
+    lat = g.add("EmptyHunyuanLatentVideo", (COL_B, 516), [832, 480, 33, 1], size=(320, 130))
+    ks = g.add("KSampler", (COL_C, 0), [42, "fixed", 30, 6.0, "uni_pc", "simple", 1.0], size=(320, 262))
+    dec = g.add("VAEDecode", (COL_C, 308), [], size=(210, 46))
+    vid = g.add("CreateVideo", (COL_C, 400), [16.0], size=(270, 102))
+    save = g.add("SaveVideo", (COL_C, 548), ["video/layerwise_offload_wan21", "auto", "auto"], size=(320, 106))
     g.connect(unet, 0, off, "model")
     g.connect(off, 0, ms, "model")
     g.connect(ms, 0, ks, "model")
@@ -116,42 +128,44 @@ def wan21_t2v_14b() -> Dict[str, Any]:
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, vid, "images")
     g.connect(vid, 0, save, "video")
-    _stats(g, (860, 560), off, ks)
-    _note(g, (-560, 0), HOW_TO + """
+    _stats(g, (COL_A, 604), off, ks)
+    _note(g, (0, 0), HOW_TO + """
 ### Wan 2.1 T2V 14B (bf16)
 
 """ + plan_note("wan21_t2v_14b", "832x480, 33 frames") + """
 
 Files: `wan2.1_t2v_14B_bf16.safetensors` in models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in
 models/text_encoders, `wan_2.1_vae.safetensors` in models/vae.
-""", size=(520, 760))
+""", size=(NOTE_WIDTH, 840))
     return g.to_json()
 
 
 def wan22_t2v_a14b() -> Dict[str, Any]:
     g = Graph(_wid("wan22_t2v_a14b"))
-    hi = g.add(LOADER, (0, 0), ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "default"], size=(380, 82),
+    # Columns: loaders and prompts; the offload, model sampling and stats of each expert; samplers and output.
+    a, b, c = WAN22_NOTE_WIDTH + GAP, WAN22_NOTE_WIDTH + 2 * GAP + 380, WAN22_NOTE_WIDTH + 3 * GAP + 380 + 440
+    hi = g.add(LOADER, (a, 0), ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "default"], size=(380, 82),
                title="Load Diffusion Model (Layerwise): high noise", color=LOADER_COLOR)
-    lo = g.add(LOADER, (0, 140), ["wan2.2_t2v_low_noise_14B_fp16.safetensors", "default"], size=(380, 82),
+    lo = g.add(LOADER, (a, 138), ["wan2.2_t2v_low_noise_14B_fp16.safetensors", "default"], size=(380, 82),
                title="Load Diffusion Model (Layerwise): low noise", color=LOADER_COLOR)
-    clip = g.add("CLIPLoader", (0, 280), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
-                 size=(340, 106), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (0, 440), ["wan_2.1_vae.safetensors"], size=(340, 58), color=LOADER_COLOR)
-    off_hi = _offload(g, (420, 0), title="Layerwise Offload (high noise)")
-    off_lo = _offload(g, (420, 200), title="Layerwise Offload (low noise)")
-    ms_hi = g.add("ModelSamplingSD3", (800, 0), [8.0], size=(300, 58))
-    ms_lo = g.add("ModelSamplingSD3", (800, 200), [8.0], size=(300, 58))
-    pos, neg = _prompt_pair(g, 420, 400, WAN_POSITIVE, WAN_NEGATIVE)
-    lat = g.add("EmptyHunyuanLatentVideo", (420, 800), [640, 640, 81, 1], size=(320, 130))
-    ks_hi = g.add("KSamplerAdvanced", (1160, 0),
-                  ["enable", 42, "fixed", 20, 3.5, "euler", "simple", 0, 10, "enable"], size=(320, 334),
+    clip = g.add("CLIPLoader", (a, 266), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
+                 size=(380, 106), color=LOADER_COLOR)
+    vae = g.add("VAELoader", (a, 418), ["wan_2.1_vae.safetensors"], size=(380, 58), color=LOADER_COLOR)
+    off_hi = _offload(g, (b, 0), title="Layerwise Offload (high noise)")
+    off_lo = _offload(g, (b, 210), title="Layerwise Offload (low noise)")
+    ms_hi = g.add("ModelSamplingSD3", (b, 410), [8.0], size=(210, 58))
+    ms_lo = g.add("ModelSamplingSD3", (b + 230, 410), [8.0], size=(210, 58))
+    pos, neg = _prompt_pair(g, a, 522, WAN_POSITIVE, WAN_NEGATIVE, negative_height=140, width=380)
+    lat = g.add("EmptyHunyuanLatentVideo", (a, 914), [640, 640, 81, 1], size=(320, 130))
+    ks_hi = g.add("KSamplerAdvanced", (c, 0),
+                  ["enable", 42, "fixed", 20, 3.5, "euler", "simple", 0, 10, "enable"], size=(345, 334),
                   title="KSampler (Advanced): high noise, steps 0-10")
-    ks_lo = g.add("KSamplerAdvanced", (1520, 0),
-                  ["disable", 0, "fixed", 20, 3.5, "euler", "simple", 10, 10000, "disable"], size=(320, 334),
+    ks_lo = g.add("KSamplerAdvanced", (c, 380),
+                  ["disable", 0, "fixed", 20, 3.5, "euler", "simple", 10, 10000, "disable"], size=(345, 334),
                   title="KSampler (Advanced): low noise, steps 10-20")
-    dec = g.add("VAEDecode", (1520, 400), [], size=(210, 46))
-    vid = g.add("CreateVideo", (1520, 500), [16.0], size=(270, 78))
-    save = g.add("SaveVideo", (1880, 0), ["video/layerwise_offload_wan22", "auto", "auto"], size=(480, 420))
+    dec = g.add("VAEDecode", (c, 760), [], size=(140, 46))
+    vid = g.add("CreateVideo", (c + 155, 760), [16.0], size=(210, 102))
+    save = g.add("SaveVideo", (c, 908), ["video/layerwise_offload_wan22", "auto", "auto"], size=(365, 106))
     g.connect(hi, 0, off_hi, "model")
     g.connect(lo, 0, off_lo, "model")
     g.connect(off_hi, 0, ms_hi, "model")
@@ -170,9 +184,9 @@ def wan22_t2v_a14b() -> Dict[str, Any]:
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, vid, "images")
     g.connect(vid, 0, save, "video")
-    _stats(g, (1160, 400), off_hi, ks_hi, title="Layerwise Offload Stats (high noise)")
-    _stats(g, (1160, 680), off_lo, ks_lo, title="Layerwise Offload Stats (low noise)")
-    _note(g, (-580, 0), HOW_TO + """
+    _stats(g, (b, 524), off_hi, ks_hi, title="Layerwise Offload Stats (high noise)")
+    _stats(g, (b, 816), off_lo, ks_lo, title="Layerwise Offload Stats (low noise)")
+    _note(g, (0, 0), HOW_TO + """
 ### Wan 2.2 T2V A14B (two fp16 experts)
 
 The experts run one after the other (high noise for steps 0-10, low noise for 10-20), each through its own
@@ -184,25 +198,25 @@ ComfyUI unloads the high-noise one (its resident blocks included).
 Files: `wan2.2_t2v_high_noise_14B_fp16.safetensors` and `wan2.2_t2v_low_noise_14B_fp16.safetensors` in
 models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text_encoders,
 `wan_2.1_vae.safetensors` in models/vae.
-""", size=(540, 800))
+""", size=(WAN22_NOTE_WIDTH, 1052))
     return g.to_json()
 
 
 def qwen_image() -> Dict[str, Any]:
     g = Graph(_wid("qwen_image"))
-    unet = g.add(LOADER, (0, 0), ["qwen_image_fp8_e4m3fn.safetensors", "default"], size=(320, 82),
+    unet = g.add(LOADER, (COL_A, 0), ["qwen_image_fp8_e4m3fn.safetensors", "default"], size=(340, 82),
                  color=LOADER_COLOR)
-    clip = g.add("CLIPLoader", (0, 140), ["qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image", "default"],
-                 size=(320, 106), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (0, 300), ["qwen_image_vae.safetensors"], size=(320, 58), color=LOADER_COLOR)
-    off = _offload(g, (400, 0))
-    ms = g.add("ModelSamplingAuraFlow", (400, 200), [3.1], size=(320, 58))
-    pos, neg = _prompt_pair(g, 400, 300, "a cozy bookshop window at night, warm light, a hand-painted sign that "
+    clip = g.add("CLIPLoader", (COL_A, 128), ["qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image", "default"],
+                 size=(340, 106), color=LOADER_COLOR)
+    vae = g.add("VAELoader", (COL_A, 280), ["qwen_image_vae.safetensors"], size=(340, 58), color=LOADER_COLOR)
+    off = _offload(g, (COL_A, 394))
+    ms = g.add("ModelSamplingAuraFlow", (COL_B, 0), [3.1], size=(320, 58))
+    pos, neg = _prompt_pair(g, COL_B, 104, "a cozy bookshop window at night, warm light, a hand-painted sign that "
                             "reads \"Layerwise Offload\"", "", negative_height=120)
-    lat = g.add("EmptySD3LatentImage", (400, 660), [1328, 1328, 1], size=(320, 106))
-    ks = g.add("KSampler", (860, 0), [42, "fixed", 20, 2.5, "euler", "simple", 1.0], size=(320, 262))
-    dec = g.add("VAEDecode", (860, 320), [], size=(210, 46))
-    save = g.add("SaveImage", (1220, 0), ["layerwise_offload/qwen_image"], size=(480, 520))
+    lat = g.add("EmptySD3LatentImage", (COL_B, 476), [1328, 1328, 1], size=(320, 106))
+    ks = g.add("KSampler", (COL_C, 0), [42, "fixed", 20, 2.5, "euler", "simple", 1.0], size=(320, 262))
+    dec = g.add("VAEDecode", (COL_C, 308), [], size=(210, 46))
+    save = g.add("SaveImage", (COL_C, 400), ["layerwise_offload/qwen_image"], size=(320, 340))
     g.connect(unet, 0, off, "model")
     g.connect(off, 0, ms, "model")
     g.connect(ms, 0, ks, "model")
@@ -214,8 +228,8 @@ def qwen_image() -> Dict[str, Any]:
     g.connect(ks, 0, dec, "samples")
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, save, "images")
-    _stats(g, (860, 420), off, ks)
-    _note(g, (-560, 0), HOW_TO + """
+    _stats(g, (COL_A, 604), off, ks)
+    _note(g, (0, 0), HOW_TO + """
 ### Qwen-Image (fp8 e4m3fn)
 
 """ + plan_note("qwen_image", "1328x1328") + """
@@ -223,33 +237,34 @@ For reference, SGLang measured 34 of 60 resident blocks at 1.67x the speed of st
 
 Files: `qwen_image_fp8_e4m3fn.safetensors` in models/diffusion_models, `qwen_2.5_vl_7b_fp8_scaled.safetensors` in
 models/text_encoders, `qwen_image_vae.safetensors` in models/vae.
-""", size=(520, 760))
+""", size=(NOTE_WIDTH, 840))
     return g.to_json()
 
 
 def hunyuan_video() -> Dict[str, Any]:
     g = Graph(_wid("hunyuan_video"))
-    unet = g.add(LOADER, (0, 0), ["hunyuan_video_t2v_720p_bf16.safetensors", "default"], size=(340, 82),
+    unet = g.add(LOADER, (COL_A, 0), ["hunyuan_video_t2v_720p_bf16.safetensors", "default"], size=(340, 82),
                  color=LOADER_COLOR)
-    clip = g.add("DualCLIPLoader", (0, 140),
+    clip = g.add("DualCLIPLoader", (COL_A, 128),
                  ["clip_l.safetensors", "llava_llama3_fp8_scaled.safetensors", "hunyuan_video", "default"],
                  size=(340, 130), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (0, 330), ["hunyuan_video_vae_bf16.safetensors"], size=(340, 58), color=LOADER_COLOR)
-    off = _offload(g, (420, 0), prefetch=2)
-    ms = g.add("ModelSamplingSD3", (420, 200), [7.0], size=(320, 58))
-    pos = g.add("CLIPTextEncode", (420, 300), [
+    vae = g.add("VAELoader", (COL_A, 304), ["hunyuan_video_vae_bf16.safetensors"], size=(340, 58),
+                color=LOADER_COLOR)
+    off = _offload(g, (COL_A, 418), prefetch=2)
+    pos = g.add("CLIPTextEncode", (COL_B, 0), [
         "a cat walks on the grass, realistic style, soft afternoon light"],
-        size=(400, 160), title="CLIP Text Encode (Positive Prompt)")
-    guid = g.add("FluxGuidance", (420, 500), [6.0], size=(320, 58))
-    lat = g.add("EmptyHunyuanLatentVideo", (420, 600), [848, 480, 73, 1], size=(320, 130))
-    noise = g.add("RandomNoise", (880, 0), [42, "fixed"], size=(320, 82))
-    sampler = g.add("KSamplerSelect", (880, 130), ["euler"], size=(320, 58))
-    sched = g.add("BasicScheduler", (880, 230), ["simple", 20, 1.0], size=(320, 106))
-    guider = g.add("BasicGuider", (880, 380), [], size=(240, 46))
-    sca = g.add("SamplerCustomAdvanced", (1240, 0), [], size=(300, 326))
-    dec = g.add("VAEDecodeTiled", (1240, 380), [256, 64, 64, 8], size=(320, 150))
-    vid = g.add("CreateVideo", (1240, 580), [24.0], size=(270, 78))
-    save = g.add("SaveVideo", (1600, 0), ["video/layerwise_offload_hunyuan", "auto", "auto"], size=(480, 420))
+        size=(320, 160), title="CLIP Text Encode (Positive Prompt)")
+    guid = g.add("FluxGuidance", (COL_B, 206), [6.0], size=(320, 58))
+    ms = g.add("ModelSamplingSD3", (COL_B, 310), [7.0], size=(320, 58))
+    lat = g.add("EmptyHunyuanLatentVideo", (COL_B, 414), [848, 480, 73, 1], size=(320, 130))
+    noise = g.add("RandomNoise", (COL_B, 590), [42, "fixed"], size=(320, 82))
+    sampler = g.add("KSamplerSelect", (COL_B, 718), ["euler"], size=(320, 58))
+    sched = g.add("BasicScheduler", (COL_B, 822), ["simple", 20, 1.0], size=(320, 106))
+    guider = g.add("BasicGuider", (COL_C, 0), [], size=(240, 46))
+    sca = g.add("SamplerCustomAdvanced", (COL_C, 92), [], size=(320, 326))
+    dec = g.add("VAEDecodeTiled", (COL_C, 464), [256, 64, 64, 8], size=(320, 150))
+    vid = g.add("CreateVideo", (COL_C, 660), [24.0], size=(270, 102))
+    save = g.add("SaveVideo", (COL_C, 808), ["video/layerwise_offload_hunyuan", "auto", "auto"], size=(320, 106))
     g.connect(unet, 0, off, "model")
     g.connect(off, 0, ms, "model")
     g.connect(ms, 0, guider, "model")
@@ -266,8 +281,8 @@ def hunyuan_video() -> Dict[str, Any]:
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, vid, "images")
     g.connect(vid, 0, save, "video")
-    _stats(g, (1240, 700), off, sca)
-    _note(g, (-580, 0), HOW_TO + """
+    _stats(g, (COL_A, 628), off, sca)
+    _note(g, (0, 0), HOW_TO + """
 ### HunyuanVideo T2V 720p (bf16)
 
 """ + plan_note("hunyuan_video", "848x480, 73 frames with `prefetch_size = 2`") + """
@@ -275,26 +290,28 @@ Lower `tile_size` in VAE Decode (Tiled) if decoding runs out of memory.
 
 Files: `hunyuan_video_t2v_720p_bf16.safetensors` in models/diffusion_models, `clip_l.safetensors` and
 `llava_llama3_fp8_scaled.safetensors` in models/text_encoders, `hunyuan_video_vae_bf16.safetensors` in models/vae.
-""", size=(540, 780))
+""", size=(NOTE_WIDTH, 928))
     return g.to_json()
 
 
 def tiny_demo() -> Dict[str, Any]:
     g = Graph(_wid("tiny_wan21_demo"))
-    unet = g.add("UNETLoader", (0, 0), ["layerwise_offload_tiny_wan21.safetensors", "default"], size=(340, 82),
+    # Columns: the note; loaders, offload and what feeds the sampler; sampler, decode and stats; outputs.
+    a, b, c = TINY_NOTE_WIDTH + GAP, TINY_NOTE_WIDTH + 2 * GAP + 350, TINY_NOTE_WIDTH + 3 * GAP + 350 + 320
+    unet = g.add("UNETLoader", (a, 0), ["layerwise_offload_tiny_wan21.safetensors", "default"], size=(350, 82),
                  color=LOADER_COLOR)
-    data = g.add("LoadTrainingDataset", (0, 140), ["layerwise_offload_tiny_wan21_cond"], size=(340, 82),
+    data = g.add("LoadTrainingDataset", (a, 128), ["layerwise_offload_tiny_wan21_cond"], size=(350, 82),
                  title="Tiny conditioning (stands in for a text encoder)")
-    vae = g.add("VAELoader", (0, 280), ["layerwise_offload_tiny_wan21_vae.safetensors"], size=(340, 58),
+    vae = g.add("VAELoader", (a, 256), ["layerwise_offload_tiny_wan21_vae.safetensors"], size=(350, 58),
                 color=LOADER_COLOR)
-    off = _offload(g, (420, 0))
-    ms = g.add("ModelSamplingSD3", (420, 200), [8.0], size=(320, 58))
-    neg = g.add("ConditioningZeroOut", (420, 300), [], size=(320, 26))
-    lat = g.add("EmptyHunyuanLatentVideo", (420, 380), [64, 64, 5, 1], size=(320, 130))
-    ks = g.add("KSampler", (800, 0), [42, "fixed", 4, 2.0, "euler", "simple", 1.0], size=(320, 262))
-    save_lat = g.add("SaveLatent", (1160, 0), ["layerwise_offload/tiny_wan21"], size=(320, 58))
-    dec = g.add("VAEDecode", (800, 320), [], size=(210, 46))
-    save = g.add("SaveImage", (1160, 120), ["layerwise_offload/tiny_wan21"], size=(420, 420))
+    off = _offload(g, (a, 370))
+    ms = g.add("ModelSamplingSD3", (a, 570), [8.0], size=(320, 58))
+    neg = g.add("ConditioningZeroOut", (a, 674), [], size=(320, 26))
+    lat = g.add("EmptyHunyuanLatentVideo", (a, 746), [64, 64, 5, 1], size=(320, 130))
+    ks = g.add("KSampler", (b, 0), [42, "fixed", 4, 2.0, "euler", "simple", 1.0], size=(320, 262))
+    save_lat = g.add("SaveLatent", (c, 0), ["layerwise_offload/tiny_wan21"], size=(320, 58))
+    dec = g.add("VAEDecode", (b, 308), [], size=(210, 46))
+    save = g.add("SaveImage", (c, 104), ["layerwise_offload/tiny_wan21"], size=(320, 300))
     g.connect(unet, 0, off, "model")
     g.connect(off, 0, ms, "model")
     g.connect(ms, 0, ks, "model")
@@ -306,19 +323,25 @@ def tiny_demo() -> Dict[str, Any]:
     g.connect(ks, 0, dec, "samples")
     g.connect(vae, 0, dec, "vae")
     g.connect(dec, 0, save, "images")
-    _stats(g, (800, 420), off, ks)
-    _note(g, (-580, 0), _graph.TINY_DEMO_NOTE, size=(540, 700))
+    _stats(g, (b, 470), off, ks)
+    _note(g, (0, 0), _graph.TINY_DEMO_NOTE, size=(TINY_NOTE_WIDTH, 876))
     return g.to_json()
 
 
+def _refit(wf: Dict[str, Any]) -> Dict[str, Any]:
+    """``wf`` opening at the view that fits its nodes (a variant may resize its loaders)."""
+    wf["extra"]["ds"] = _graph.fitted_view(wf["nodes"])
+    return wf
+
+
 def wan22_t2v_a14b_fp8() -> Dict[str, Any]:
-    return _variants.wan22_fp8(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_fp8"),
-                               plan_note("wan22_t2v_a14b_fp8", "640x640, 81 frames"))
+    return _refit(_variants.wan22_fp8(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_fp8"),
+                                      plan_note("wan22_t2v_a14b_fp8", "640x640, 81 frames")))
 
 
 def wan22_t2v_a14b_gguf() -> Dict[str, Any]:
-    return _variants.wan22_gguf(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_gguf"),
-                                plan_note("wan22_t2v_a14b_gguf", "640x640, 81 frames"))
+    return _refit(_variants.wan22_gguf(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_gguf"),
+                                       plan_note("wan22_t2v_a14b_gguf", "640x640, 81 frames")))
 
 
 _variants = _graph._sibling("workflow_variants")

@@ -5,6 +5,7 @@ devtools/make_workflows.py builds the templates from these. Pure Python: needs n
 from __future__ import annotations
 
 import importlib.util
+import math
 import uuid
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -206,11 +207,43 @@ class Graph:
             "links": self.links,
             "groups": self.groups,
             "config": {},
-            # Open with the whole graph's top-left corner (the note) in view, below the frontend's top bars.
-            "extra": {"ds": {"scale": 0.7, "offset": [
-                120.0 - min(n["pos"][0] for n in self.nodes), 180.0 - min(n["pos"][1] for n in self.nodes)]}},
+            "extra": {"ds": fitted_view(self.nodes)},
             "version": 0.4,
         }
+
+
+# How the frontend opens a template. 1.49 and 1.58 ignore the workflow's own view (extra.ds) and fit the graph to
+# the window (LGraphCanvas.ds.fitToBounds over every node's bounding box, title bar included, plus a 10-unit
+# margin): the graph then fills 75% of the window's width or height, whichever is reached first. Below a zoom of
+# 8 px / 14 px (LiteGraph.Canvas.MinFontSizeForLOD over the node font size, at device pixel ratio 1) they draw
+# nodes in low detail, without any text. 1.32 and 1.39 open at extra.ds, which is set to the same fit.
+#: The window the templates are laid out for (CSS pixels; the browser tests use it too).
+VIEW_WINDOW = (1600, 1000)
+FIT_FILL = 0.75
+FIT_MARGIN = 10.0
+TITLE_HEIGHT = 30.0
+#: The zoom below which frontends 1.49 and 1.58 hide node text (at device pixel ratio 1).
+LOW_DETAIL_ZOOM = 8 / 14
+
+
+def graph_bounds(nodes: Sequence[Dict[str, Any]]) -> Tuple[float, float, float, float]:
+    """``(x, y, width, height)`` of the nodes' bounding boxes as the frontend takes them (title bars included)."""
+    x0 = min(n["pos"][0] for n in nodes)
+    y0 = min(n["pos"][1] - TITLE_HEIGHT for n in nodes)
+    x1 = max(n["pos"][0] + n["size"][0] for n in nodes)
+    y1 = max(n["pos"][1] + n["size"][1] for n in nodes)
+    return x0, y0, x1 - x0, y1 - y0
+
+
+def fitted_view(nodes: Sequence[Dict[str, Any]], window: Sequence[float] = VIEW_WINDOW) -> Dict[str, Any]:
+    """The view frontends 1.49 and 1.58 open the graph at in ``window`` (ds.fitToBounds): ``{"scale",
+    "offset"}``, the offset in graph units (a node at ``pos`` is drawn at ``(pos + offset) * scale``)."""
+    x, y, w, h = graph_bounds(nodes)
+    x, y, w, h = x - FIT_MARGIN, y - FIT_MARGIN, w + 2 * FIT_MARGIN, h + 2 * FIT_MARGIN
+    scale = min(FIT_FILL * window[0] / max(w, 300.0), FIT_FILL * window[1] / max(h, 300.0))
+    scale = math.floor(scale * 1000) / 1000
+    return {"scale": scale, "offset": [round(window[0] / scale / 2 - x - w / 2, 1),
+                                       round(window[1] / scale / 2 - y - h / 2, 1)]}
 
 
 def _wid(name: str) -> str:
@@ -354,7 +387,8 @@ def _offload(g: Graph, pos, resident: int = AUTO, prefetch: int = 1, title: Opti
 
 def _stats(g: Graph, pos, offload: Dict[str, Any], sampler: Dict[str, Any], title: Optional[str] = None) -> None:
     """A Layerwise Offload Stats node reading the offload's MODEL after ``sampler`` (output 0) ran."""
-    st = g.add(STATS_ID, pos, [], size=(420, 220), title=title, color=OFFLOAD_COLOR)
+    # 420 wide: web/js/stats.js widens the node to that for its picture (and a little higher) when it loads.
+    st = g.add(STATS_ID, pos, [], size=(420, 228), title=title, color=OFFLOAD_COLOR)
     g.connect(offload, 0, st, "model")
     g.connect(sampler, 0, st, "after")
 
@@ -368,9 +402,10 @@ TINY_DEMO_NOTE = """## A tiny demo: Layerwise Offload on a 19 MB random Wan 2.1
 
 It writes the three files this graph loads into that ComfyUI (no restart needed):
 `layerwise_offload_tiny_wan21.safetensors` (models/diffusion_models: a Wan 2.1 T2V with 4 blocks, random
-weights), `layerwise_offload_tiny_wan21_vae.safetensors` (models/vae) and `output/layerwise_offload_tiny_wan21_cond/`
-(one saved conditioning: a real Wan needs the 5.7B UMT5-XXL text encoder, so the core node *Load Training
-Dataset* loads a saved one instead, and *ConditioningZeroOut* makes the negative).
+weights), `layerwise_offload_tiny_wan21_vae.safetensors` (models/vae) and `layerwise_offload_tiny_wan21_cond/`
+(one saved conditioning, in datasets/ or output/: where this ComfyUI's core node *Load Training Dataset* reads
+it. A real Wan needs the 5.7B UMT5-XXL text encoder, so that node loads a saved one instead, and
+*ConditioningZeroOut* makes the negative).
 
 Then press Run. It takes seconds on any NVIDIA GPU; elsewhere (CPU, Apple, Intel) the node passes the model
 through unchanged and the Stats node says so. The pictures are noise (random weights). Auto (`-1`) keeps all

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
                            MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, offload_model, stats_ui)
+                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, offload_model, stats_ui)
 from .loader import (LOADER_CATEGORY, LOADER_DESCRIPTION, LOADER_DISPLAY_NAME, LOADER_NODE_ID, LOADER_TOOLTIPS,
                      WEIGHT_DTYPES, diffusion_model_names, load_layerwise)
 
@@ -29,6 +29,12 @@ class LayerwiseOffloadV1:
         }, "optional": {  # optional: API prompts written before it existed still validate (default: auto)
             "host_store": (list(HOST_STORES), {"default": DEFAULTS["host_store"], "tooltip": TOOLTIPS["host_store"]}),
         }}
+
+    @classmethod
+    def VALIDATE_INPUTS(cls, host_store=None):
+        # host_store = disk is refused when queued where the disk tier cannot run. Only host_store is named
+        # (ComfyUI reports a failure under every input named here, and checks the others' lists itself).
+        return host_store_problem(host_store) or True
 
     def apply(self, model, resident_layers, prefetch_size, residency_policy, pin_memory, host_store="auto"):
         return (offload_model(model, resident_layers, prefetch_size, residency_policy, pin_memory, host_store),)

@@ -2,14 +2,40 @@
 
 from __future__ import annotations
 
+import functools
+
 from comfy_api.latest import ComfyExtension, io
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
                            MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, offload_model,
-                           residency_policy_problem, stats_ui)
+                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, offload_model, stats_ui)
 from .loader import (LOADER_CATEGORY, LOADER_DESCRIPTION, LOADER_DISPLAY_NAME, LOADER_NODE_ID, LOADER_TOOLTIPS,
                      WEIGHT_DTYPES, diffusion_model_names, load_layerwise)
+
+
+@functools.lru_cache(maxsize=None)
+def core_checks_v3_combos() -> bool:
+    """Whether this ComfyUI itself checks a V3 combo's value against its options when a prompt is queued
+    ("Value not in list": 0.14.1 and 0.33.0 do; 0.3.75 checks only V1 combos, whose type is the options list)."""
+    try:
+        import inspect
+
+        import execution  # ComfyUI's own module (main.py has imported it by the time nodes load)
+        return "Combo.io_type" in inspect.getsource(execution.validate_inputs)
+    except Exception:  # noqa: BLE001 - unknown: the V1 form below is checked by every ComfyUI
+        return False
+
+
+class _ListTypedCombo(io.Combo.Input):
+    """A combo declared in the V1 form (its type is the list of options), which every ComfyUI checks itself when a
+    prompt is queued; for a ComfyUI that does not check V3 combos (see :func:`core_checks_v3_combos`)."""
+
+    def get_io_type(self):
+        return list(self.options)
+
+
+def _combo(*args, **kwargs) -> io.Combo.Input:
+    return (io.Combo.Input if core_checks_v3_combos() else _ListTypedCombo)(*args, **kwargs)
 
 
 class LayerwiseOffload(io.ComfyNode):
@@ -26,8 +52,9 @@ class LayerwiseOffload(io.ComfyNode):
                              tooltip=TOOLTIPS["resident_layers"]),
                 io.Int.Input("prefetch_size", default=DEFAULTS["prefetch_size"], min=1, max=MAX_PREFETCH,
                              tooltip=TOOLTIPS["prefetch_size"]),
-                io.Combo.Input("residency_policy", options=list(POLICIES), default=DEFAULTS["residency_policy"],
-                               tooltip=TOOLTIPS["residency_policy"]),
+                # ComfyUI checks this one's value itself (on 0.3.75 in the V1 form): not named in validate_inputs.
+                _combo("residency_policy", options=list(POLICIES), default=DEFAULTS["residency_policy"],
+                       tooltip=TOOLTIPS["residency_policy"]),
                 io.Boolean.Input("pin_memory", default=DEFAULTS["pin_memory"], tooltip=TOOLTIPS["pin_memory"]),
                 # Optional: API prompts written before it existed still validate (default: auto).
                 io.Combo.Input("host_store", options=list(HOST_STORES), default=DEFAULTS["host_store"],
@@ -37,10 +64,12 @@ class LayerwiseOffload(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, residency_policy=None, host_store=None) -> bool | str:
-        # ComfyUI 0.3.75 does not check V3 combo values itself; a wrong one must fail when queued, not mid-run.
-        # Only the combos are named, so ComfyUI still checks the others' types and limits.
-        return residency_policy_problem(residency_policy) or host_store_problem(host_store) or True
+    def validate_inputs(cls, host_store=None) -> bool | str:
+        # host_store = disk is refused where the disk tier cannot run, so this input is checked here, and ComfyUI
+        # then leaves it to us (a bad value too). Only host_store is named: ComfyUI reports a failure under every
+        # input this function names (residency_policy named too, a bad host_store was reported twice), and it
+        # still checks the others' types, limits and (residency_policy) options itself.
+        return host_store_problem(host_store) or True
 
     @classmethod
     def execute(cls, model, resident_layers, prefetch_size, residency_policy, pin_memory,

@@ -6,8 +6,11 @@ symlink ``custom_nodes/layerwise-offload -> <repo>`` (see devtools/server.py), n
 workflows use (ComfyUI-GGUF, unmodified from shared/peers, where it is there). ``LAYERWISE_OFFLOAD_CPU_LOOPBACK=1``
 makes the node run the real offload manager on the CPU instead of passing the model through.
 
-The tiny assets (devtools/e2e_assets.py) are built once into ``<repo>/.comfyui/e2e-assets/<run label>``
-(git-ignored, rebuilt when their recipe changes) and symlinked into each session's base folder.
+The session server's base folder gets the tiny demo the way the README says a user installs it
+(``python demo/install_tiny_demo.py`` run from the pack's folder in its custom_nodes). The tiny assets
+(devtools/e2e_assets.py) are built once into ``<repo>/.comfyui/e2e-assets/<run label>`` (git-ignored, rebuilt
+when their recipe changes) and linked or copied into the other servers' base folders (``e2e_assets.copy_cond``
+puts the saved conditioning where each ComfyUI reads it); the session's takes its tiny SD1.5 UNet from there.
 
 Environment: ``LAYERWISE_OFFLOAD_E2E_KEEP=1`` keeps the base folder (and prints where), ``COMFYUI_PATH`` as usual,
 ``LAYERWISE_OFFLOAD_FRONTEND_ROOT`` serves another frontend (ComfyUI's ``--front-end-root``),
@@ -19,13 +22,14 @@ really ran fail in that mode, as they should).
 from __future__ import annotations
 
 import os
-import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from layerwise_offload.devtools import e2e_assets, peers
-from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
+from layerwise_offload.devtools.server import PACK_FOLDER, ComfyServer, prepare_base_dir
 
 REPO = Path(__file__).resolve().parents[2]
 CPU_LOOPBACK_ENV = "LAYERWISE_OFFLOAD_CPU_LOOPBACK"
@@ -59,13 +63,26 @@ def tiny_assets():
     return e2e_assets.install_demo_assets(ASSET_CACHE / "models", ASSET_CACHE / "output")
 
 
+def install_tiny_demo_as_the_readme_says(base: Path) -> str:
+    """The README's one step, in the base folder ``base``: ``python demo/install_tiny_demo.py`` run from the pack's
+    folder in its custom_nodes (the session's Python: the venv that runs the server). A --base-directory holds no
+    ComfyUI code, so the script writes the conditioning where every ComfyUI reads it. Returns its output."""
+    pack = base / "custom_nodes" / PACK_FOLDER
+    r = subprocess.run([sys.executable, "demo/install_tiny_demo.py"], cwd=str(pack), capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "PWD": str(pack)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert (base / "models" / "diffusion_models" / e2e_assets.TINY_WAN21_NAME).is_file(), r.stdout
+    return r.stdout
+
+
 @pytest.fixture(scope="session")
 def comfy_base(tmp_path_factory, tiny_assets) -> Path:
+    """The session server's base folder: the tiny demo installed by the README's step (the tests' tiny SD1.5 UNet
+    linked from the asset cache beside it)."""
     base = prepare_base_dir(tmp_path_factory.mktemp("comfy_base"))
-    for kind, sub in (("wan21", "diffusion_models"), ("sd15", "diffusion_models"), ("vae", "vae")):
-        src = Path(tiny_assets[kind])
-        (base / "models" / sub / src.name).symlink_to(src)
-    shutil.copytree(tiny_assets["cond"], base / "output" / e2e_assets.TINY_COND_FOLDER)
+    src = Path(tiny_assets["sd15"])
+    (base / "models" / "diffusion_models" / src.name).symlink_to(src)
+    install_tiny_demo_as_the_readme_says(base)
     return base
 
 

@@ -61,9 +61,10 @@ def _thumbnail(page, workflow: Path) -> Path:
 
     out = ARTIFACTS / "thumbnails" / f"{workflow.stem}.jpg"
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Loaders, offload node and sampler at a readable zoom (the note is left of x = 0); no LiteGraph info text.
+    # Loaders, offload node and sampler at a readable zoom (from the column right of the note); no LiteGraph info.
     page.evaluate("""() => { const c = window.app.canvas; c.show_info = false; c.ds.scale = 0.9;
-        c.ds.offset = [80 / 0.9, 170 / 0.9]; c.setDirty(true, true); }""")
+        const x = Math.min(...window.app.graph._nodes.filter(n => n.type !== 'MarkdownNote').map(n => n.pos[0]));
+        c.ds.offset = [80 / 0.9 - x, 170 / 0.9]; c.setDirty(true, true); }""")
     page.wait_for_timeout(100)
     page.screenshot(path=str(out.with_suffix(".png")), clip=THUMBNAIL_CLIP)
     with Image.open(out.with_suffix(".png")) as im:
@@ -242,7 +243,7 @@ def _open_templates(page):
 
 def _open_tiny_demo_as_a_template(page) -> None:
     """The tiny demo opened the way a user opens it: from the templates dialog, at the zoom the frontend picks
-    (1.32 and 1.39 keep the workflow's own; 1.58 fits the graph to the window)."""
+    (1.32 and 1.39 keep the workflow's own; 1.49 and 1.58 fit the graph to the window)."""
     _open_templates(page).get_by_text(TINY.stem, exact=True).first.click()
     page.wait_for_function("() => window.app.graph._nodes.some(n => n.type === 'LayerwiseOffloadStats')",
                            timeout=15_000)

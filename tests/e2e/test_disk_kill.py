@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import signal
 import time
 from pathlib import Path
@@ -43,7 +42,7 @@ def base(tmp_path, tiny_assets) -> Path:
     for kind, sub in (("wan21", "diffusion_models"), ("vae", "vae")):
         src = Path(tiny_assets[kind])
         (base / "models" / sub / src.name).symlink_to(src)
-    shutil.copytree(tiny_assets["cond"], base / "output" / e2e_assets.TINY_COND_FOLDER)
+    e2e_assets.copy_cond(tiny_assets, base)
     return base
 
 

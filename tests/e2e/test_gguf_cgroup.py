@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import time
 
 import pytest
@@ -46,7 +45,7 @@ def gguf_cgroup_server(tmp_path_factory, tiny_assets):
     base = prepare_base_dir(tmp_path_factory.mktemp("gguf_cgroup_base"))
     peers.unpack_peer(base / "custom_nodes")
     (base / "models" / "vae" / tiny_assets["vae"].split("/")[-1]).symlink_to(tiny_assets["vae"])
-    shutil.copytree(tiny_assets["cond"], base / "output" / e2e_assets.TINY_COND_FOLDER)
+    e2e_assets.copy_cond(tiny_assets, base)
     models = base / "models" / "diffusion_models"
     save_tiny_wan21_gguf(models / WARM_NAME, "F16", seed=0)
     for name, seed in ((MODEL_NAME, 11), (LOW_NOISE_NAME, 12)):

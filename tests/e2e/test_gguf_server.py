@@ -8,7 +8,6 @@ this module's own (another custom node pack in custom_nodes); skipped where shar
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 import safetensors.torch
@@ -52,7 +51,7 @@ def gguf_server(tmp_path_factory, tiny_assets):
         save_tiny_wan21_gguf(base / "models" / "diffusion_models" / f"tiny_wan21_{qtype}.gguf", qtype, seed=0)
     (base / "models" / "loras").mkdir(parents=True, exist_ok=True)
     write_lora(base / "models" / "loras" / LORA)
-    shutil.copytree(tiny_assets["cond"], base / "output" / e2e_assets.TINY_COND_FOLDER)
+    e2e_assets.copy_cond(tiny_assets, base)
     server = ComfyServer(base, cpu=True, env={"LAYERWISE_OFFLOAD_CPU_LOOPBACK": "1"},
                          extra_args=["--disable-api-nodes"])
     server.start(timeout=240)

@@ -33,8 +33,7 @@ def rss_server(tmp_path_factory, tiny_assets):
     base = prepare_base_dir(tmp_path_factory.mktemp("rss_base"))
     for kind, sub in (("wan21", "diffusion_models"), ("vae", "vae")):
         (base / "models" / sub / tiny_assets[kind].split("/")[-1]).symlink_to(tiny_assets[kind])
-    import shutil
-    shutil.copytree(tiny_assets["cond"], base / "output" / e2e_assets.TINY_COND_FOLDER)
+    e2e_assets.copy_cond(tiny_assets, base)
     patcher = tiny_dits._build("WAN21_T2V", CONFIG, 5, torch.float32)
     state = {k: v.detach().contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
     safetensors.torch.save_file(state, str(base / "models" / "diffusion_models" / MODEL_NAME))

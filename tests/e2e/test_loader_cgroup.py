@@ -56,9 +56,8 @@ def big_server(tmp_path_factory, tiny_assets):
     base = prepare_base_dir(tmp_path_factory.mktemp("loader_cgroup_base"))
     for kind, sub in (("wan21", "diffusion_models"), ("vae", "vae")):
         (base / "models" / sub / tiny_assets[kind].split("/")[-1]).symlink_to(tiny_assets[kind])
-    import shutil
     from layerwise_offload.devtools import e2e_assets
-    shutil.copytree(tiny_assets["cond"], base / "output" / e2e_assets.TINY_COND_FOLDER)
+    e2e_assets.copy_cond(tiny_assets, base)
     path = base / "models" / "diffusion_models" / MODEL_NAME
     figures = write_big_wan(path)
     assert path.stat().st_size >= 2 * 2**30

@@ -4,7 +4,8 @@
 - a prompt with the node on the tiny Wan 2.1 completes, and its saved latent is bitwise equal to the same prompt
   without the node, for several plans, before and after (the offload must leave the shared model untouched);
 - the shipped tiny workflow (workflows/) runs as the frontend would send it, with the same latent;
-- a negative ``resident_layers`` is a validation error; a UNet (not a DiT) is an execution error naming the class,
+- a negative ``resident_layers`` is a validation error, and so is a bad ``host_store`` or ``residency_policy``,
+  each reported once, under its own input; a UNet (not a DiT) is an execution error naming the class,
   and the server serves the next prompt;
 - ComfyUI lists the workflows folder as templates and serves the files.
 """
@@ -160,6 +161,19 @@ def test_negative_resident_layers_is_a_validation_error(comfy_server, object_inf
     errors = body["node_errors"]["10"]["errors"]
     assert any(e["type"] == "value_smaller_than_min" and e["extra_info"]["input_name"] == "resident_layers"
                for e in errors), body
+
+
+@pytest.mark.parametrize("name, bad", [("host_store", "floppy"), ("residency_policy", "sideways")])
+def test_a_bad_choice_is_one_validation_error_under_its_own_input(comfy_server, name, bad):
+    """A value that is not one of a combo's options, as an API client may send it: ComfyUI refuses the prompt
+    with exactly one error for the node, under that input (not repeated under the node's other combo)."""
+    with pytest.raises(PromptRejected) as exc:
+        comfy_server.queue_prompt(tiny_prompt({"host_store": "auto", name: bad}))
+    body = exc.value.body
+    errors = body["node_errors"]["10"]["errors"]
+    assert [e["extra_info"]["input_name"] for e in errors] == [name], json.dumps(body)[:3000]
+    assert bad in json.dumps(errors[0]), errors[0]  # it says which value was refused
+    assert set(body["node_errors"]) == {"10"}, body
 
 
 def test_non_dit_model_is_an_execution_error_and_the_server_recovers(comfy_server):

@@ -144,6 +144,33 @@ def test_template_has_its_thumbnail_served(path, comfy_server):
     assert status == 200 and body == data
 
 
+# ------------------------------------------------------------------------------------------------ the opening view
+# Frontends 1.49 and 1.58 fit a template to the window when they open it and draw nodes without any text below a
+# zoom of 8/14 (devtools/workflow_graph.py); 1.32 and 1.39 open at the workflow's own view, set to that same fit.
+
+@pytest.mark.parametrize("path", FILES, ids=[p.stem for p in FILES])
+def test_template_opens_at_a_zoom_that_draws_node_text(path):
+    from layerwise_offload.devtools import workflow_graph
+
+    wf = _load(path)
+    view = workflow_graph.fitted_view(wf["nodes"])  # what the browser tests measure (test_browser_stats.py)
+    assert wf["extra"]["ds"] == view, "python -P devtools/make_workflows.py"
+    # On a 1600 x 1000 window: a good margin above where the text goes; the tiny demo, opened first, at 0.8.
+    least = 0.8 if path.stem.startswith("A tiny demo") else 0.65
+    assert view["scale"] >= least > workflow_graph.LOW_DETAIL_ZOOM + 0.05, view
+    # A compact layout, not a crowded one: no node's box (title bar and the pack's badge above it included; a
+    # Stats node as wide as web/js/stats.js makes it) meets another's.
+    boxes = []
+    for n in wf["nodes"]:
+        above = workflow_graph.TITLE_HEIGHT + (24 if n["type"] in workflow_graph.PACK_NODES else 0)
+        width = max(n["size"][0], 420 if n["type"] == workflow_graph.STATS_ID else 0)
+        boxes.append((n.get("title", n["type"]), n["pos"][0], n["pos"][1] - above, n["pos"][0] + width,
+                      n["pos"][1] + n["size"][1]))
+    touching = [(a[0], b[0]) for i, a in enumerate(boxes) for b in boxes[i + 1:]
+                if a[1] < b[3] and b[1] < a[3] and a[2] < b[4] and b[2] < a[4]]
+    assert not touching, touching
+
+
 # ------------------------------------------------------------------------------------------------ one set of numbers
 # devtools/template_plans.json is one planner run; the README table, every template's note, file name and card
 # picture are written from it by devtools/make_workflows.py.
