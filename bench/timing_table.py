@@ -1,0 +1,625 @@
+"""The timing model's table: predicted step time vs the bound for every template, resident count, policy and
+prefetch depth on four reference GPUs (offload/timing_model.py says how the prediction is made).
+
+    .venv/bin/python -P bench/timing_table.py              # -> bench/results/timing_model.{csv,md,png}
+    .venv/bin/python -P bench/timing_table.py --out /tmp/x --templates flux1_dev --gpus "RTX 4090 24GB"
+
+Per template (devtools/template_memory.py's list, block bytes from devtools/template_plans.json):
+
+- FLOPs per block are COUNTED, not derived: ComfyUI 0.3.75's own model class, at the released dimensions with one
+  block per block list (bench/activation_specs.py), runs one forward on the ``meta`` device at the template's
+  latent and batch (2 where CFG batches cond and uncond) under ``torch.utils.flop_counter.FlopCounterMode``
+  (matmuls, convolutions); ComfyUI's attention functions are replaced, for the count, by bench/activation_memory.py's
+  flash-like stand-in, which adds ``4 x batch x heads x query tokens x key tokens x head dim`` (QK^T and AV) per
+  call, the flash kernel's own count. Element-wise work (norms, RoPE, gates, activations) is not counted: it is
+  the part of :data:`~offload.timing_model.DIT_EFFICIENCY` that is not matmul. The FLOPs outside the blocks are the
+  forward's total minus the blocks'. The markdown compares the count with the shape-only rule of thumb
+  ``2 x linear weights x tokens + 4 x tokens^2 x width`` (:func:`shape_estimate`): it counts the modulation linears,
+  which see one vector per item, and the text stream's linears at the image's tokens, so it overestimates
+  double-stream blocks (Flux, HunyuanVideo, Qwen-Image) up to 2.6x. Whoever feeds the engine FLOPs should count.
+- Bytes per block are the stored bytes the node copies (bf16, fp8 or GGUF Q4_K_M). fp8 and GGUF weights are cast or
+  dequantised to bf16 every forward: ``stored + 2 x weights`` bytes of device-memory traffic per block on the
+  compute stream. Host time per streamed block: 0.4 ms, 1.5 ms for quantized weight objects (fp8 scaled, GGUF).
+- LoRA rows (``lora = 1``): every linear weight LoRA'd on the device, ComfyUI's float32 math on the copy stream:
+  about 28 bytes of device-memory traffic per weight (cast to fp32, the up x down product, the add, stochastic
+  rounding back), run once per streamed copy.
+
+Rows: every resident count 0..N of every template on every GPU, under leading and strided with prefetch 1-4
+(LoRA rows for prefetch 1 only). ``fits`` says whether the plan (residents + slots + non-block weights +
+activations + ComfyUI's reserve + 0.5 GiB context) fits the card; ``auto`` marks the count the planner picks for
+that card. Takes about a minute on one core: the manager's schedule is recorded once per block count and plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib.util
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence, Tuple
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+FIELDS = ("GPU", "template", "resident_count", "policy", "prefetch", "predicted_step_ms", "bound_ms", "ratio",
+          "copy_idle_ms", "compute_stall_ms", "compute_ms", "copy_ms", "host_ms", "lora", "fits", "auto",
+          "device_gib")
+DEFAULT = ("leading", 1)
+WITHIN = 1.05
+LORA_BYTES_PER_WEIGHT = 28
+QUANTIZED_TEMPLATES = ("wan22_t2v_a14b_fp8", "wan22_t2v_a14b_gguf")  # quantized weight objects (host time)
+FAMILY_OF_CONFIG = {"Flux": "flux1", "WAN21_T2V": "wan_14b", "QwenImage": "qwen_image",
+                    "HunyuanVideo": "hunyuan_video"}
+GB = 10 ** 9
+
+
+def _env():
+    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", REPO / "devtools" / "comfy_env.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.register_pack(REPO)
+    return module
+
+
+@dataclass
+class TemplateCosts:
+    key: str
+    name: str
+    costs: object  # offload.timing_model.ModelCosts
+    lora_costs: object
+    lists: Tuple[int, ...]  # blocks per block list, in call order
+    list_flops: Tuple[float, ...]  # counted FLOPs of one block of each list
+    list_estimate: Tuple[float, ...]  # shape_estimate of one block of each list
+    list_weights: Tuple[int, ...]  # weights (parameters) of one block of each list
+    tokens: int
+    batch: int
+    non_block_bytes: int
+    activation_bytes: int
+    prefetch: int  # the template's own prefetch_size
+
+
+def count_flops(spec, latent: Sequence[int], batch: int):
+    """(FLOPs of each block of the one-block-per-list model, whole forward's FLOPs, the blocks, attention calls)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    from layerwise_offload.bench.activation_memory import attention_replaced, block_lists, flash_like_attention
+
+    model = spec.build(torch.bfloat16).eval()
+    blocks = block_lists(model)
+    calls: List[int] = []
+    flash = flash_like_attention(calls)
+    attention_flops = [0.0]
+
+    def attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                  **kwargs):
+        if skip_reshape:  # (batch, heads, tokens, head dim)
+            b, _, lq, dq = q.shape
+            lk, dv = k.shape[2], v.shape[-1]
+            attention_flops[0] += 2.0 * b * heads * lq * lk * (dq + dv)
+        else:  # (batch, tokens, heads x head dim), or (batch, tokens, heads, head dim)
+            b, lq = q.shape[:2]
+            lk = k.shape[1]
+            attention_flops[0] += 2.0 * b * lq * lk * (q[0, 0].numel() + v[0, 0].numel())
+        return flash(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                     skip_output_reshape=skip_output_reshape, **kwargs)
+
+    counter = FlopCounterMode(display=False)
+    per_block = [0.0] * len(blocks)
+    marks = {}
+
+    def total():
+        return counter.get_total_flops() + attention_flops[0]
+
+    def enter(index):
+        def hook(module, args):
+            marks[index] = total()
+        return hook
+
+    def leave(index):
+        def hook(module, args, output):
+            per_block[index] += total() - marks.pop(index)
+        return hook
+
+    handles = [h for i, b in enumerate(blocks)
+               for h in (b.register_forward_pre_hook(enter(i)), b.register_forward_hook(leave(i)))]
+    try:
+        with torch.no_grad(), torch.device("meta"), attention_replaced(attention), counter:
+            x = torch.empty((batch,) + tuple(latent), dtype=torch.bfloat16)
+            model(x, **spec.inputs(x, batch, torch.bfloat16), transformer_options={})
+    finally:
+        for h in handles:
+            h.remove()
+    return per_block, total(), blocks, len(calls)
+
+
+def shape_estimate(block, tokens: int, batch: int = 1) -> float:
+    """The rule of thumb: ``2 x linear weights x tokens + 4 x tokens^2 x width`` per batch item, ``width`` the block's
+    narrowest linear input (its hidden size); every linear taken to see every token."""
+    from torch import nn
+    linear = [m for m in block.modules() if isinstance(m, nn.Linear)]
+    weights = sum(m.in_features * m.out_features for m in linear)
+    width = min((m.in_features for m in linear), default=0)
+    return float(batch) * (2.0 * weights * tokens + 4.0 * tokens * tokens * width)
+
+
+def template_costs(keys=None) -> List[TemplateCosts]:
+    """Imports ComfyUI (CPU) and counts every template's FLOPs on the meta device."""
+    env = _env()
+    env.import_comfyui(cpu=True, import_nodes=False)
+    import torch
+    from layerwise_offload.bench import dit_presets
+    from layerwise_offload.bench.activation_specs import FAMILIES
+    from layerwise_offload.devtools import template_memory
+    from layerwise_offload.offload import timing_model as tm
+
+    plans = template_memory.load_plans()
+    out = []
+    for t in template_memory._templates(dit_presets):  # the templates' latents, batches and dtypes
+        if keys and t.key not in keys:
+            continue
+        plan = template_memory.plan_for(plans, t.key)
+        spec = FAMILIES[FAMILY_OF_CONFIG[t.comfy_config]]
+        latent = tuple(t.latent[1:])
+        per_block, total, blocks, _ = count_flops(spec, latent, t.cfg_batch)
+        if len(blocks) == 2:
+            lists = (t.unet_config["depth"], t.unet_config["depth_single_blocks"])
+        else:
+            lists = (t.unet_config["num_layers"],)
+        block_bytes = tuple(plan["block_bytes"])
+        if sum(lists) != len(block_bytes):
+            raise AssertionError(f"{t.key}: {lists} blocks by config, {len(block_bytes)} in template_plans.json")
+        kinds = [k for k, n in enumerate(lists) for _ in range(n)]
+        tokens = math.prod(latent[1:]) // spec.patch_area
+        with torch.device("meta"):
+            text = spec.inputs(torch.empty(0), 1, torch.bfloat16)["context"].shape[1]
+        joint = spec.name != "wan_14b"
+        estimate = tuple(shape_estimate(b, tokens + (text if joint else 0), t.cfg_batch) for b in blocks)
+        weights = tuple(sum(p.numel() for p in b.parameters()) for b in blocks)
+        flops = tuple(per_block[k] for k in kinds)
+        cast = None
+        if t.stored_bytes != 2:
+            cast = tuple(int(b + 2 * b / t.stored_bytes) for b in block_bytes)
+        host = tm.HOST_S_PER_STREAMED_BLOCK_QUANTIZED if t.key in QUANTIZED_TEMPLATES else tm.HOST_S_PER_STREAMED_BLOCK
+        costs = tm.ModelCosts(block_bytes, flops, outside_flops=total - sum(per_block), cast_bytes=cast,
+                              host_s_per_streamed_block=host)
+        lora = tm.ModelCosts(block_bytes, flops, outside_flops=total - sum(per_block), cast_bytes=cast,
+                             lora_bytes=tuple(LORA_BYTES_PER_WEIGHT * weights[k] for k in kinds),
+                             host_s_per_streamed_block=host)
+        out.append(TemplateCosts(t.key, t.name, costs, lora, lists, tuple(per_block), estimate, weights,
+                                 tokens, t.cfg_batch, plan["non_block_bytes"], plan["activation_bytes"], t.prefetch))
+    return out
+
+
+def template_plans():
+    from layerwise_offload.devtools import template_memory
+    return template_memory.load_plans()
+
+
+def auto_resident(tc: TemplateCosts, gpu, plans) -> int:
+    """The count the planner picks on this card, fed as devtools/template_memory.py feeds it."""
+    from layerwise_offload.offload import planner
+    free = gpu.vram_bytes - plans["context_and_desktop_bytes"] - tc.non_block_bytes
+    plan = planner.plan_residency(list(tc.costs.block_bytes), max(free, 0), reserve_bytes=plans["comfy_reserve_bytes"],
+                                  activation_bytes=tc.activation_bytes, prefetch_size=tc.prefetch)
+    return plan.resident_count if plan.fits else -1
+
+
+def rows_for(tc: TemplateCosts, gpu, plans) -> List[dict]:
+    from layerwise_offload.offload import timing_model as tm
+    from layerwise_offload.offload.timing_model import SETTINGS
+    from layerwise_offload.offload.schedule import Schedule, choose_resident_blocks
+
+    n = tc.costs.num_blocks
+    auto = auto_resident(tc, gpu, plans)
+    fixed = plans["context_and_desktop_bytes"] + plans["comfy_reserve_bytes"] + tc.non_block_bytes + tc.activation_bytes
+    rows = []
+    for r in range(n + 1):
+        variants = [(s, False) for s in SETTINGS] + [((p, 1), True) for p in ("leading", "strided")]
+        for (policy, prefetch), lora in variants:
+            costs = tc.lora_costs if lora else tc.costs
+            p = tm.predict(costs, gpu, r, policy, prefetch)
+            device = Schedule(choose_resident_blocks(n, r, policy)).device_bytes(costs.block_bytes, prefetch) + fixed
+            rows.append(dict(GPU=gpu.name, template=tc.key, resident_count=r, policy=policy, prefetch=prefetch,
+                             predicted_step_ms=round(p.step_s * 1e3, 2), bound_ms=round(p.bound_s * 1e3, 2),
+                             ratio=round(p.ratio, 4), copy_idle_ms=round(p.copy_idle_s * 1e3, 2),
+                             compute_stall_ms=round(p.compute_stall_s * 1e3, 2), compute_ms=round(p.compute_s * 1e3, 2),
+                             copy_ms=round(p.copy_s * 1e3, 2), host_ms=round(p.host_s * 1e3, 2), lora=int(lora),
+                             fits=int(device <= gpu.vram_bytes), auto=int(r == auto),
+                             device_gib=round(device / 2 ** 30, 2)))
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- reporting
+
+def _key(row) -> tuple:
+    return row["GPU"], row["template"], int(row["resident_count"])
+
+
+def fixes(rows: List[dict]) -> Dict[tuple, dict]:
+    """Per (GPU, template, r): the setting within WITHIN that holds the fewest device bytes (ties: the order of
+    ``timing_model.SETTINGS``), as ``timing_model.best_setting`` chooses."""
+    from layerwise_offload.offload.timing_model import SETTINGS
+    order = {s: i for i, s in enumerate(SETTINGS)}
+    best: Dict[tuple, dict] = {}
+    for row in rows:
+        if row["lora"] or row["ratio"] > WITHIN:
+            continue
+        k = _key(row)
+        rank = (row["device_gib"], order[(row["policy"], row["prefetch"])])
+        if k not in best or rank < best[k]["_rank"]:
+            best[k] = dict(row, _rank=rank)
+    return best
+
+
+SENSITIVITY = (("DiT efficiency 0.5", 0.5, 1.0), ("DiT efficiency 1.0 (the matmul rate)", 1.0, 1.0),
+               ("H2D -20 %", None, 0.8), ("H2D -20 %, DiT efficiency 1.0", 1.0, 0.8))
+
+
+def sensitivity(templates: List[TemplateCosts], gpus, plans) -> List[str]:
+    """How the defaults' misses move with the two figures the model leans on most (leading, prefetch 1 only)."""
+    import dataclasses
+    from layerwise_offload.offload import timing_model as tm
+    from layerwise_offload.offload.schedule import Schedule, choose_resident_blocks
+
+    lines = ["| variant | plans over 1.05x at the defaults (fitting the card), by template and GPU | worst |",
+             "| --- | --- | --- |"]
+    for label, efficiency, h2d in SENSITIVITY:
+        over, worst = [], (0.0, "")
+        for g in gpus:
+            flops = g.matmul_flops_per_s * (efficiency / tm.DIT_EFFICIENCY if efficiency else 1.0)
+            variant = dataclasses.replace(g, matmul_flops_per_s=flops, h2d_bytes_per_s=g.h2d_bytes_per_s * h2d)
+            for tc in templates:
+                n = tc.costs.num_blocks
+                fixed = (plans["context_and_desktop_bytes"] + plans["comfy_reserve_bytes"] + tc.non_block_bytes
+                         + tc.activation_bytes)
+                for r in range(n + 1):
+                    device = Schedule(choose_resident_blocks(n, r, "leading")).device_bytes(tc.costs.block_bytes, 1)
+                    if device + fixed > g.vram_bytes:
+                        continue
+                    ratio = tm.predict(tc.costs, variant, r, *DEFAULT).ratio
+                    if ratio > WITHIN:
+                        over.append((tc.key, g.name.rsplit(" ", 1)[0]))
+                    worst = max(worst, (ratio, f"{tc.key}, {g.name}, r {r}"))
+        by = ", ".join(f"{k} {gpu}: {n}" for (k, gpu), n in sorted(_count(over)))
+        lines.append(f"| {label} | {len(over)}{' (' + by + ')' if by else ''} | {worst[0]:.3f} ({worst[1]}) |")
+    return lines
+
+
+def headlines(rows: List[dict], templates: List[TemplateCosts], best: Dict[tuple, dict]) -> List[str]:
+    """The findings, in numbers read from the rows."""
+    from layerwise_offload.offload.timing_model import SETTINGS
+
+    plain = [r for r in rows if not r["lora"]]
+    default = [r for r in plain if (r["policy"], r["prefetch"]) == DEFAULT]
+    over = [r for r in default if r["ratio"] > WITHIN]
+    out = [f"- At the defaults (leading, prefetch 1), {len(over)} of {len(default)} plans (template x GPU x resident "
+           f"count) predict more than {WITHIN}x the bound, {sum(r['fits'] for r in over)} of them plans that fit "
+           "their card:"]
+    for (template, gpu), n in sorted(_count((r["template"], r["GPU"]) for r in over)):
+        mine = [r for r in over if (r["template"], r["GPU"]) == (template, gpu)]
+        worst = max(mine, key=lambda r: r["ratio"])
+        out.append(f"  - {template} on the {gpu}: r {_ranges([r['resident_count'] for r in mine])}, worst "
+                   f"{worst['ratio']:.3f}x at r {worst['resident_count']}.")
+    calm = [tc.key for tc in templates if not any(r["template"] == tc.key for r in over)]
+    if calm:
+        worst = max((r for r in default if r["template"] in calm), key=lambda r: r["ratio"])
+        out.append(f"- {', '.join(calm)}: within {worst['ratio']:.3f}x everywhere (compute-bound on every card at "
+                   "their template's shape).")
+    auto = [r for r in default if r["auto"]]
+    if auto:
+        worst = max(auto, key=lambda r: r["ratio"])
+        out.append(f"- At the resident count auto picks on each card (leading, prefetch 1), the worst ratio is "
+                   f"{worst['ratio']:.3f}x ({worst['template']}, {worst['GPU']}, r {worst['resident_count']}): the "
+                   "misses are at smaller resident counts (less free memory, other models loaded, a count set by hand).")
+    fixed = [best[_key(r)] for r in over if _key(r) in best]
+    if over:
+        extra = max(b["device_gib"] - r["device_gib"] for r in over for b in [best.get(_key(r))] if b)
+        out.append(f"- {len(fixed)} of the {len(over)} have a setting of the grid (policy x prefetch 1-4) within "
+                   f"{WITHIN}x; the one holding the fewest device bytes costs at most {extra:+.2f} GiB over the "
+                   "default plan. No single setting serves every plan:")
+        counts = []
+        for setting in SETTINGS:
+            n = sum(1 for r in plain if (r["policy"], r["prefetch"]) == setting and r["ratio"] > WITHIN)
+            counts.append(f"{setting[0]} {setting[1]}: {n}")
+        out.append("  - plans over " + f"{WITHIN}x per fixed setting: " + ", ".join(counts) + ".")
+    gains = [g for per in same_budget(rows).values() for g in per]
+    if gains:
+        gain, r, b, d = max(gains, key=lambda g: g[0])
+        out.append(f"- At the same device memory, the fastest plan of the grid beats the default by up to {gain:.0%} "
+                   f"({d['template']}, {d['GPU']}: r {r} leading 1 {d['ratio']:.3f}x -> r {b['resident_count']} "
+                   f"{b['policy']} {b['prefetch']} {b['ratio']:.3f}x).")
+    lora = [r for r in rows if r["lora"] and r["fits"]]
+    if lora:
+        worst = max(lora, key=lambda r: r["ratio"])
+        out.append(f"- LoRA on the copy stream: up to {worst['ratio']:.3f}x the bound ({worst['template']}, "
+                   f"{worst['GPU']}, r {worst['resident_count']}, {worst['policy']} 1); it adds its math to every "
+                   "streamed copy where copies dominate, and nothing where compute does.")
+    return out
+
+
+def same_budget(rows: List[dict]) -> Dict[tuple, List[tuple]]:
+    """Per (template, GPU): for each default plan, (gain, r, the fastest row holding no more device memory, the
+    default row)."""
+    groups: Dict[tuple, List[dict]] = {}
+    for row in rows:
+        if not row["lora"]:
+            groups.setdefault((row["template"], row["GPU"]), []).append(row)
+    out = {}
+    for key, mine in groups.items():
+        gains = []
+        for d in (r for r in mine if (r["policy"], r["prefetch"]) == DEFAULT):
+            best = min((r for r in mine if r["device_gib"] <= d["device_gib"]),
+                       key=lambda r: (r["predicted_step_ms"], r["device_gib"]))
+            gains.append((1 - best["predicted_step_ms"] / d["predicted_step_ms"], d["resident_count"], best, d))
+        out[key] = gains
+    return out
+
+
+def _count(items) -> List[tuple]:
+    counts: Dict[tuple, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return list(counts.items())
+
+
+def _ranges(values: List[int]) -> str:
+    out, start, prev = [], None, None
+    for v in sorted(values):
+        if start is None:
+            start = prev = v
+        elif v == prev + 1:
+            prev = v
+        else:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = prev = v
+    if start is not None:
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+    return ", ".join(out)
+
+
+def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path: Path) -> None:
+    from layerwise_offload.offload import timing_model as tm
+    from layerwise_offload.offload.timing_model import SETTINGS
+
+    best = fixes(rows)
+    default = [r for r in rows if (r["policy"], r["prefetch"]) == DEFAULT and not r["lora"]]
+    by = {(_key(r), r["policy"], r["prefetch"], r["lora"]): r for r in rows}
+    over = [r for r in default if r["ratio"] > WITHIN]
+    lines = [
+        "# Timing model: predicted step time vs the bound",
+        "",
+        "Made by `.venv/bin/python -P bench/timing_table.py` (about a minute on one CPU core); every row is in "
+        "`timing_model.csv`, the curves in `timing_model.png`. **A model, not a measurement**: the first GPU run "
+        "checks it.",
+        "",
+        "## Headlines",
+        "",
+        *headlines(rows, templates, best),
+        "",
+        "## How",
+        "",
+        "`offload/timing_model.py` runs the real `LayerwiseOffloadManager` for three forwards of a stand-in with the "
+        "template's block count, over the real `StreamBackend` whose CUDA module is a recorder: every copy, event "
+        "record, event wait, after-copy transform and block kernel is logged on the stream it was queued on, in the "
+        "order the host queued it. The trace is then timed as CUDA runs it (streams first in, first out; an event "
+        "completes when the work before it on its stream has; one host thread issues everything in order). The step "
+        "is the steady state (between the ends of forwards 2 and 3). The bound is DESIGN.md's "
+        "`max(compute, streamed bytes / H2D)`.",
+        "",
+        "Assumptions:",
+        "",
+        "- One copy engine (the copy stream), a constant pinned H2D rate; every streamed block page-locked.",
+        f"- Block compute = counted FLOPs / (achievable dense bf16 matmul rate x {tm.DIT_EFFICIENCY}) + weight casts "
+        "(fp8, GGUF) at HBM bandwidth. Element-wise kernels are inside the 0.7; attention is counted as flash "
+        "attention computes it. One forward per step (cond + uncond batched where CFG > 1).",
+        f"- Host: {tm.LAUNCH_S_PER_BLOCK * 1e3:.2f} ms to launch each block, "
+        f"{tm.HOST_S_PER_STREAMED_BLOCK * 1e3:.1f} ms "
+        f"of bookkeeping per streamed block ({tm.HOST_S_PER_STREAMED_BLOCK_QUANTIZED * 1e3:.1f} ms for fp8-scaled and "
+        "GGUF weight objects), issued ahead of the GPU without limit; the sampler reads each step's result back "
+        "(a host sync at the end of every step).",
+        f"- LoRA rows: every linear weight patched on the device with ComfyUI's float32 math, "
+        f"{LORA_BYTES_PER_WEIGHT} bytes of device-memory traffic per weight, on the copy stream (as "
+        "nodes/device_lora.py runs it); it takes no SM time from the compute stream (optimistic).",
+        "- Not modelled: arming (the residents' first copies), PCIe contention with other traffic, clocks, the "
+        "launch queue's depth, kernels' warm-up.",
+        "",
+        "## GPUs",
+        "",
+        "| GPU | pinned H2D GB/s | achievable bf16 matmul TFLOP/s | x DiT efficiency | HBM GB/s | source |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for g in gpus:
+        lines.append(f"| {g.name} | {g.h2d_bytes_per_s / GB:.0f} | {g.matmul_flops_per_s / 1e12:.0f} | "
+                     f"{g.dit_flops_per_s / 1e12:.0f} | {g.hbm_bytes_per_s / GB:.0f} | {g.source} |")
+    lines += ["", "## Templates", "",
+              "FLOPs per block counted on ComfyUI's model classes (meta device, `FlopCounterMode` + flash attention "
+              "count); `estimate` is the rule of thumb 2 x linear weights x tokens + 4 x tokens^2 x width ("
+              "text tokens included for joint attention).", "",
+              "| template | blocks | tokens x batch | block GB | counted TFLOP/block | estimate | outside TFLOP | "
+              + " | ".join(f"{g.name}: compute / copy ms per block" for g in gpus) + " |",
+              "| --- | --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in gpus) + " |"]
+    for tc in templates:
+        sizes = sorted(set(tc.costs.block_bytes), reverse=True)
+        per_gpu = []
+        for g in gpus:
+            secs = tc.costs.block_seconds(g)
+            parts = []
+            for k, n in enumerate(tc.lists):
+                i = sum(tc.lists[:k])
+                parts.append(f"{secs[i] * 1e3:.1f} / {tc.costs.block_bytes[i] / g.h2d_bytes_per_s * 1e3:.1f}")
+            per_gpu.append("; ".join(parts))
+        lines.append(
+            f"| {tc.name} | {' + '.join(map(str, tc.lists))} | {tc.tokens} x {tc.batch} | "
+            f"{' / '.join(f'{s / GB:.2f}' for s in sizes)} | {' / '.join(f'{f / 1e12:.2f}' for f in tc.list_flops)} | "
+            f"{' / '.join(f'{f / 1e12:.2f}' for f in tc.list_estimate)} | {tc.costs.outside_flops / 1e12:.2f} | "
+            + " | ".join(per_gpu) + " |")
+    lines += ["", "## At the defaults (leading, prefetch 1)", "",
+              f"Per template and GPU: the worst ratio over every resident count, the counts above {WITHIN}x, those "
+              "of them whose plan fits the card, the ratio at the count auto picks on that card, and the settings "
+              f"that bring those counts to <= {WITHIN}x in the model (for each count, the one holding the fewest "
+              "device bytes; the next table names it count by count).", "",
+              "| template | GPU | worst ratio (r) | r over 1.05x | of which fit the card | auto r: ratio | fixed by |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for tc in templates:
+        for g in gpus:
+            mine = [r for r in default if r["template"] == tc.key and r["GPU"] == g.name]
+            worst = max(mine, key=lambda r: r["ratio"])
+            bad = [r["resident_count"] for r in mine if r["ratio"] > WITHIN]
+            bad_fit = [r["resident_count"] for r in mine if r["ratio"] > WITHIN and r["fits"]]
+            auto = [r for r in mine if r["auto"]]
+            auto_text = f"{auto[0]['resident_count']}: {auto[0]['ratio']:.3f}" if auto else "none fits"
+            settings = sorted({(best[_key(r)]["policy"], best[_key(r)]["prefetch"]) for r in mine
+                               if r["ratio"] > WITHIN and _key(r) in best})
+            unfixed = [r["resident_count"] for r in mine if r["ratio"] > WITHIN and _key(r) not in best]
+            fixed = ", ".join(f"{p} {q}" for p, q in settings) or "-"
+            if unfixed:
+                fixed += f"; none for r {_ranges(unfixed)}"
+            lines.append(f"| {tc.name} | {g.name} | {worst['ratio']:.3f} ({worst['resident_count']}) | "
+                         f"{_ranges(bad) or '-'} | {_ranges(bad_fit) or '-'} | {auto_text} | {fixed} |")
+    lines += ["", f"## Every row over {WITHIN}x at the defaults, and its fix", "",
+              "`fix`: the setting within 1.05x that holds the fewest device bytes (`+GiB`: its extra device memory "
+              "over "
+              "the default plan; negative when it holds less); `strided 1` is `strided` at prefetch 1.", "",
+              "| GPU | template | r | fits | step ms | bound ms | ratio | copy idle ms | compute stall ms | fix | "
+              "fix ratio | +GiB |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in over:
+        b = best.get(_key(r))
+        fix = (f"{b['policy']} {b['prefetch']} | {b['ratio']:.3f} | {b['device_gib'] - r['device_gib']:+.2f}"
+               if b else "none in the grid | | ")
+        lines.append(f"| {r['GPU']} | {r['template']} | {r['resident_count']} | {'yes' if r['fits'] else 'no'} | "
+                     f"{r['predicted_step_ms']:.1f} | {r['bound_ms']:.1f} | {r['ratio']:.3f} | "
+                     f"{r['copy_idle_ms']:.1f} | "
+                     f"{r['compute_stall_ms']:.1f} | {fix} |")
+    if not over:
+        lines.append("| (none) | | | | | | | | | | | |")
+    lines += ["", "## Sensitivity", "",
+              "The two figures the model leans on most, varied for the default setting (rows whose plan fits the "
+              "card; the main tables use DiT efficiency 0.7 and the H2D rates above):", "",
+              *sensitivity(templates, gpus, template_plans())]
+    lines += ["", "## One setting for every plan?", "",
+              f"Rows (template x GPU x r, all fitting their card) above {WITHIN}x for each fixed setting of the "
+              "grid:", "",
+              "| setting | rows over | worst (GPU, template, r) |", "| --- | --- | --- |"]
+    for policy, prefetch in SETTINGS:
+        mine = [r for r in rows if not r["lora"] and (r["policy"], r["prefetch"]) == (policy, prefetch)]
+        bad = [r for r in mine if r["ratio"] > WITHIN]
+        worst = max(mine, key=lambda r: r["ratio"])
+        where = ", ".join(f"{g} {n}" for (g, n), _ in sorted(_count((r["GPU"].split()[1], r["template"]) for r in bad)))
+        lines.append(f"| {policy} {prefetch} | {len(bad)}{' (' + where + ')' if where else ''} | "
+                     f"{worst['ratio']:.3f} ({worst['GPU']}, {worst['template']}, {worst['resident_count']}) |")
+    lines += ["", "## The same device memory, the best plan", "",
+              "For each default plan (leading 1, r residents), the fastest plan of the grid (any r, policy, prefetch) "
+              "that holds no more device memory: what a choice of plan by the model would gain at that budget. Listed: "
+              "template x GPU pairs where it gains more than 2 % somewhere.", "",
+              "| template | GPU | budgets (default r) where the best plan gains > 2 % | largest gain: default r -> best plan "
+              "(ratios) |", "| --- | --- | --- | --- |"]
+    for (key, gpu_name), gains in same_budget(rows).items():
+        better = [g for g in gains if g[0] > 0.02]
+        if not better:
+            continue
+        gain, r, best_row, default_row = max(better, key=lambda g: g[0])
+        lines.append(f"| {key} | {gpu_name} | {_ranges([g[1] for g in better])} | {gain:.1%}: r {r} -> r "
+                     f"{best_row['resident_count']} {best_row['policy']} {best_row['prefetch']} "
+                     f"({default_row['ratio']:.3f} -> {best_row['ratio']:.3f}) |")
+    lines += ["", "## LoRA on the copy stream (prefetch 1)", "",
+              "The LoRA math runs on the copy stream between a block's copy and its done event, so the next block's "
+              "copy waits behind it. Ratios against the same bound (which has no LoRA term): at r = 0, and the worst "
+              "over every r whose plan fits the card; `+ms` is what the LoRA adds to the step at r = 0 (leading).", "",
+              "| template | GPU | LoRA ms per block (largest) | r=0 leading: no LoRA / LoRA | +ms | "
+              "worst leading + LoRA (r) | worst strided + LoRA (r) |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
+    for tc in templates:
+        for g in gpus:
+            k = (g.name, tc.key, 0)
+            plain, lead = by[(k, "leading", 1, 0)], by[(k, "leading", 1, 1)]
+            fit = [r for r in rows if r["template"] == tc.key and r["GPU"] == g.name and r["lora"] and r["fits"]]
+            worst = {p: max((r for r in fit if r["policy"] == p), key=lambda r: r["ratio"], default=None)
+                     for p in ("leading", "strided")}
+            text = {p: (f"{w['ratio']:.3f} ({w['resident_count']})" if w else "-") for p, w in worst.items()}
+            lora_ms = max(tc.lora_costs.lora_bytes) / g.hbm_bytes_per_s * 1e3
+            lines.append(f"| {tc.name} | {g.name} | {lora_ms:.1f} | {plain['ratio']:.3f} / {lead['ratio']:.3f} | "
+                         f"{lead['predicted_step_ms'] - plain['predicted_step_ms']:+.0f} | "
+                         f"{text['leading']} | {text['strided']} |")
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot(rows: List[dict], templates: List[TemplateCosts], gpus, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(templates), len(gpus), figsize=(4.2 * len(gpus), 2.6 * len(templates)),
+                             sharey=True, squeeze=False)
+    series = [(("leading", 1), "C3", "leading, prefetch 1 (default)"), (("leading", 2), "C1", "leading, prefetch 2"),
+              (("strided", 1), "C0", "strided, prefetch 1"), (("strided", 2), "C2", "strided, prefetch 2")]
+    for i, tc in enumerate(templates):
+        for j, g in enumerate(gpus):
+            ax = axes[i][j]
+            mine = [r for r in rows if r["template"] == tc.key and r["GPU"] == g.name and not r["lora"]]
+            for (setting, color, label) in series:
+                pts = sorted((r["resident_count"], r["ratio"]) for r in mine if (r["policy"], r["prefetch"]) == setting)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, lw=1.2, label=label)
+            lora = sorted((r["resident_count"], r["ratio"]) for r in rows if r["template"] == tc.key
+                          and r["GPU"] == g.name and r["lora"] and r["policy"] == "leading")
+            ax.plot([p[0] for p in lora], [p[1] for p in lora], color="C4", lw=0.8, ls=":",
+                    label="leading 1 + LoRA")
+            misfit = [r["resident_count"] for r in mine if (r["policy"], r["prefetch"]) == DEFAULT and not r["fits"]]
+            if misfit:
+                ax.axvspan(min(misfit) - 0.5, max(misfit) + 0.5, color="0.9", zorder=0)
+            auto = [r["resident_count"] for r in mine if r["auto"]]
+            if auto:
+                ax.axvline(auto[0], color="k", lw=0.6, ls="--")
+            ax.axhline(WITHIN, color="0.5", lw=0.6, ls=":")
+            ax.set_ylim(0.95, 1.7)
+            if i == 0:
+                ax.set_title(g.name, fontsize=9)
+            if j == 0:
+                ax.set_ylabel(tc.key + "\nstep / bound", fontsize=8)
+            if i == len(templates) - 1:
+                ax.set_xlabel("resident blocks", fontsize=8)
+            ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=6, loc="upper left")
+    fig.suptitle("Timing model: predicted step / max(compute, streamed bytes / H2D); grey: plan does not fit the "
+                 "card; dashed: auto's pick", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
+    fig.savefig(path, dpi=80)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(HERE / "results"), help="folder for timing_model.csv / .md / .png")
+    parser.add_argument("--templates", default="", help="comma-separated template keys (default: all)")
+    parser.add_argument("--gpus", default="", help="comma-separated GPU names from offload.timing_model.GPUS")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    templates = template_costs([k for k in args.templates.split(",") if k] or None)
+    from layerwise_offload.devtools import template_memory
+    from layerwise_offload.offload import timing_model as tm
+
+    names = [g for g in args.gpus.split(",") if g] or list(tm.GPUS)
+    gpus = [tm.GPUS[g] for g in names]
+    plans = template_memory.load_plans()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: List[dict] = []
+    for tc in templates:
+        for g in gpus:
+            rows += rows_for(tc, g, plans)
+        print(f"[timing_table] {tc.key}: {len(rows)} rows, {time.perf_counter() - started:.0f} s", flush=True)
+    with open(out / "timing_model.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    write_markdown(rows, templates, gpus, out / "timing_model.md")
+    plot(rows, templates, gpus, out / "timing_model.png")
+    print(f"[timing_table] {len(rows)} rows in {time.perf_counter() - started:.0f} s -> {out}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
