@@ -114,8 +114,8 @@ def wan21_t2v_14b() -> Dict[str, Any]:
     lat = g.add("EmptyHunyuanLatentVideo", (COL_B, 516), [832, 480, 33, 1], size=(320, 130))
     ks = g.add("KSampler", (COL_C, 0), [42, "fixed", 30, 6.0, "uni_pc", "simple", 1.0], size=(320, 262))
     dec = g.add("VAEDecode", (COL_C, 308), [], size=(210, 46))
-    vid = g.add("CreateVideo", (COL_C, 400), [16.0], size=(270, 102))
-    save = g.add("SaveVideo", (COL_C, 548), ["video/layerwise_offload_wan21", "auto", "auto"], size=(320, 106))
+    save = g.add("SaveAnimatedWEBP", (COL_C, 400), ["video/layerwise_offload_wan21", 16.0, False, 90, "default"],
+                 size=(320, 180))
     g.connect(unet, 0, off, "model")
     g.connect(off, 0, ms, "model")
     g.connect(ms, 0, ks, "model")
@@ -126,8 +126,7 @@ def wan21_t2v_14b() -> Dict[str, Any]:
     g.connect(lat, 0, ks, "latent_image")
     g.connect(ks, 0, dec, "samples")
     g.connect(vae, 0, dec, "vae")
-    g.connect(dec, 0, vid, "images")
-    g.connect(vid, 0, save, "video")
+    g.connect(dec, 0, save, "images")
     _stats(g, (COL_A, 604), off, ks)
     _note(g, (0, 0), HOW_TO + """
 ### Wan 2.1 T2V 14B (bf16)
@@ -164,8 +163,8 @@ def wan22_t2v_a14b() -> Dict[str, Any]:
                   ["disable", 0, "fixed", 20, 3.5, "euler", "simple", 10, 10000, "disable"], size=(345, 334),
                   title="KSampler (Advanced): low noise, steps 10-20")
     dec = g.add("VAEDecode", (c, 760), [], size=(140, 46))
-    vid = g.add("CreateVideo", (c + 155, 760), [16.0], size=(210, 102))
-    save = g.add("SaveVideo", (c, 908), ["video/layerwise_offload_wan22", "auto", "auto"], size=(365, 106))
+    save = g.add("SaveAnimatedWEBP", (c, 852), ["video/layerwise_offload_wan22", 16.0, False, 90, "default"],
+                 size=(345, 180))
     g.connect(hi, 0, off_hi, "model")
     g.connect(lo, 0, off_lo, "model")
     g.connect(off_hi, 0, ms_hi, "model")
@@ -182,8 +181,7 @@ def wan22_t2v_a14b() -> Dict[str, Any]:
     g.connect(ks_hi, 0, ks_lo, "latent_image")
     g.connect(ks_lo, 0, dec, "samples")
     g.connect(vae, 0, dec, "vae")
-    g.connect(dec, 0, vid, "images")
-    g.connect(vid, 0, save, "video")
+    g.connect(dec, 0, save, "images")
     _stats(g, (b, 524), off_hi, ks_hi, title="Layerwise Offload Stats (high noise)")
     _stats(g, (b, 816), off_lo, ks_lo, title="Layerwise Offload Stats (low noise)")
     _note(g, (0, 0), HOW_TO + """
@@ -263,8 +261,8 @@ def hunyuan_video() -> Dict[str, Any]:
     guider = g.add("BasicGuider", (COL_C, 0), [], size=(240, 46))
     sca = g.add("SamplerCustomAdvanced", (COL_C, 92), [], size=(320, 326))
     dec = g.add("VAEDecodeTiled", (COL_C, 464), [256, 64, 64, 8], size=(320, 150))
-    vid = g.add("CreateVideo", (COL_C, 660), [24.0], size=(270, 102))
-    save = g.add("SaveVideo", (COL_C, 808), ["video/layerwise_offload_hunyuan", "auto", "auto"], size=(320, 106))
+    save = g.add("SaveAnimatedWEBP", (COL_C, 660), ["video/layerwise_offload_hunyuan", 24.0, False, 90, "default"],
+                 size=(320, 180))
     g.connect(unet, 0, off, "model")
     g.connect(off, 0, ms, "model")
     g.connect(ms, 0, guider, "model")
@@ -279,8 +277,7 @@ def hunyuan_video() -> Dict[str, Any]:
     g.connect(lat, 0, sca, "latent_image")
     g.connect(sca, 0, dec, "samples")
     g.connect(vae, 0, dec, "vae")
-    g.connect(dec, 0, vid, "images")
-    g.connect(vid, 0, save, "video")
+    g.connect(dec, 0, save, "images")
     _stats(g, (COL_A, 628), off, sca)
     _note(g, (0, 0), HOW_TO + """
 ### HunyuanVideo T2V 720p (bf16)

@@ -49,8 +49,8 @@ SPECS: Dict[str, Tuple[List[Tuple[str, str]], List[Tuple[str, str]], List[str]]]
     "VAEDecodeTiled": ([("samples", "LATENT"), ("vae", "VAE")], [("IMAGE", "IMAGE")],
                        ["tile_size", "overlap", "temporal_size", "temporal_overlap"]),
     "SaveImage": ([("images", "IMAGE")], [], ["filename_prefix"]),
-    "CreateVideo": ([("images", "IMAGE"), ("audio", "AUDIO")], [("VIDEO", "VIDEO")], ["fps"]),
-    "SaveVideo": ([("video", "VIDEO")], [], ["filename_prefix", "format", "codec"]),
+    # Video as animated WEBP: the same inputs on every tested ComfyUI (0.33 changed CreateVideo and SaveVideo).
+    "SaveAnimatedWEBP": ([("images", "IMAGE")], [], ["filename_prefix", "fps", "lossless", "quality", "method"]),
     "RandomNoise": ([], [("NOISE", "NOISE")], ["noise_seed", "control_after_generate"]),
     "KSamplerSelect": ([], [("SAMPLER", "SAMPLER")], ["sampler_name"]),
     "BasicScheduler": ([("model", "MODEL")], [("SIGMAS", "SIGMAS")], ["scheduler", "steps", "denoise"]),
