@@ -156,6 +156,19 @@ def test_stats_node_asks_for_after_when_it_is_unconnected(page, comfy_server):
     _shot(page, "stats_after_unconnected")
 
 
+def test_the_stats_node_keeps_its_size_when_the_workflow_is_loaded_again(page, comfy_server):
+    """The node grows to hold its picture and no more: loading the same workflow again leaves it as it was (it grew
+    by a few units at every load while the picture's height was measured from its own stretched box)."""
+    _close_dialogs(page)
+    size = "() => window.app.graph._nodes.find(n => n.type === 'LayerwiseOffloadStats').size.slice()"
+    heights = []
+    for attempt in range(3):
+        _load(page, json.loads(TINY.read_text()), f"stats_size_{attempt}")
+        page.wait_for_timeout(400)  # the picture is fitted on the next animation frame
+        heights.append(page.evaluate(size)[1])
+    assert heights[0] == heights[1] == heights[2], heights
+
+
 def test_stats_picture_is_drawn_in_nodes_2_0(page, comfy_server):
     set_vue = "async (on) => { await window.app.extensionManager.setting.set('Comfy.VueNodes.Enabled', on); }"
     page.evaluate(set_vue, True)
