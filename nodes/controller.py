@@ -19,16 +19,10 @@ from torch import nn
 
 import comfy.model_management
 
-from ..offload.device_backend import normalize_device
-from ..offload.hooks import cuda_graph_refusal
-from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, choose_resident_blocks, largest_fitting,
-                       resolve_resident_count)
-from ..offload.advice import activation_words, recommend
-from ..offload.activation_model import block_width
-from ..offload.planner import describe, format_bytes, forward_activation_bytes, plan_residency
-from ..offload.tensor_subclass import point_param_at, weight_nbytes
-from ..offload.host_memory import available_host_bytes
-from ..offload.pinning import return_freed_host_memory
+from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, activation_words, available_host_bytes,
+                       block_width, choose_resident_blocks, cuda_graph_refusal, describe, format_bytes,
+                       forward_activation_bytes, largest_fitting, normalize_device, plan_residency, point_param_at,
+                       recommend, resolve_resident_count, return_freed_host_memory, weight_nbytes)
 from .discovery import DiscoveredBlocks
 from .host_ram import compact_backups, comfyui_pin_cap_left, comfyui_pinner, packing_progress_bar
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes

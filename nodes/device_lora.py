@@ -31,7 +31,7 @@ import comfy.model_management
 import comfy.model_patcher
 import comfy.utils
 
-from ..offload.host_store import block_parameters
+from ..offload import block_parameters
 
 # (position of the weight in the block's layout, ComfyUI key, its patches)
 DevicePatch = Tuple[int, str, list]

@@ -18,8 +18,7 @@ from torch import nn
 
 import comfy.model_management
 
-from ..offload.pinning import clear_cuda_error
-from ..offload.tensor_subclass import weight_parts
+from ..offload import clear_cuda_error, weight_parts
 
 
 class ComfyUIPinner:

@@ -23,7 +23,7 @@ import torch
 import comfy.sd
 import folder_paths
 
-from ..offload.checkpoint_file import CheckpointError, CheckpointFile, locate
+from ..offload import CheckpointError, CheckpointFile, locate
 
 log = logging.getLogger("layerwise_offload")
 

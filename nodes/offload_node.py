@@ -8,10 +8,8 @@ import os
 import comfy.model_management
 import comfy.patcher_extension
 
-from ..offload import POLICIES, OffloadConfig, resolve_resident_count
-from ..offload.config import HOST_STORES
-from ..offload.disk_file import disk_tier_unsupported, remove_stale_files
-from ..offload.host_side import DISK_DIR_ENV
+from ..offload import (DISK_DIR_ENV, HOST_STORES, POLICIES, OffloadConfig, disk_tier_unsupported, remove_stale_files,
+                       resolve_resident_count)
 from .discovery import SUPPORTED_FAMILIES, discover_blocks
 from .dynamic_vram import non_dynamic_patcher, watch_clones
 from .controller import AUTO_RESIDENT, OffloadController

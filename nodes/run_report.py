@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..offload.advice import RunReport, block_tiers, slot_count
+from ..offload import RunReport, block_tiers, slot_count
 
 
 def run_report(controller, before, after, forwards: int, run_seconds: float) -> RunReport:

@@ -12,8 +12,7 @@ from typing import Optional, Tuple
 
 import comfy.model_management
 
-from ..offload.advice import TIER_WORDS, activation_words, seconds
-from ..offload.planner import format_bytes
+from ..offload import TIER_WORDS, activation_words, format_bytes, seconds
 
 UI_KEY = "layerwise_offload"
 PASSTHROUGH_ATTACHMENT = "layerwise_offload_passed_through"

@@ -4,27 +4,66 @@ The leading (or strided) blocks stay on the compute device; the rest stream from
 with a prefetch window on a side stream. Nothing here imports ComfyUI.
 """
 
-from .config import POLICIES, OffloadConfig, resolve_resident_count
+from .activation_model import block_width
+from .advice import TIER_WORDS, RunReport, activation_words, block_tiers, recommend, seconds, slot_count
+from .checkpoint_file import CheckpointError, CheckpointFile, locate
+from .config import HOST_STORES, POLICIES, OffloadConfig, resolve_resident_count
+from .device_backend import normalize_device
+from .disk_file import disk_tier_unsupported, remove_stale_files
+from .hooks import cuda_graph_refusal
+from .host_memory import available_host_bytes
+from .host_side import DISK_DIR_ENV
+from .host_store import block_parameters
 from .manager import LayerwiseOffloadManager
-from .planner import ResidencyPlan, estimate_activation_bytes, plan_residency
+from .pinning import clear_cuda_error, return_freed_host_memory
+from .planner import (ResidencyPlan, describe, estimate_activation_bytes, format_bytes, forward_activation_bytes,
+                      plan_residency)
 from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
 from .stats import OffloadStats
+from .tensor_subclass import point_param_at, weight_nbytes, weight_parts
 
 __all__ = [
+    "DISK_DIR_ENV",
+    "Footprint",
+    "HOST_STORES",
     "POLICIES",
+    "CheckpointError",
+    "CheckpointFile",
     "LayerwiseOffloadManager",
     "OffloadConfig",
     "OffloadStats",
     "ResidencyPlan",
+    "RunReport",
     "Schedule",
-    "Footprint",
+    "TIER_WORDS",
+    "activation_words",
     "apply_layerwise_offload",
+    "available_host_bytes",
+    "block_parameters",
+    "block_tiers",
+    "block_width",
     "choose_resident_blocks",
-    "footprint",
-    "largest_fitting",
+    "clear_cuda_error",
+    "cuda_graph_refusal",
+    "describe",
+    "disk_tier_unsupported",
     "estimate_activation_bytes",
+    "footprint",
+    "format_bytes",
+    "forward_activation_bytes",
+    "largest_fitting",
+    "locate",
+    "normalize_device",
     "plan_residency",
+    "point_param_at",
+    "recommend",
+    "remove_stale_files",
     "resolve_resident_count",
+    "return_freed_host_memory",
+    "seconds",
+    "slot_count",
+    "weight_nbytes",
+    "weight_parts",
 ]
 
 
