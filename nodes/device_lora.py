@@ -102,7 +102,7 @@ def _on_device(value, device, uploaded: dict):
 def patches_on_device(plan: Dict[int, List[DevicePatch]], device) -> Tuple[Dict[int, List[DevicePatch]], int]:
     """The plan with its LoRA factors on the load device, and the bytes that takes there. Uploaded once, here,
     on the compute stream: left on the host, ComfyUI's math would copy them from pageable memory at every block
-    copy, on the copy stream, where a pageable copy can stall the host before the next block's kernels queue."""
+    copy, where a pageable copy can stall the host before the next block's kernels queue."""
     uploaded: dict = {}
     out = {index: [(position, key, [(p[0], _on_device(p[1], device, uploaded)) + tuple(p[2:]) for p in patches])
                    for position, key, patches in entries] for index, entries in plan.items()}

@@ -2,9 +2,10 @@
 
 The transform (a LoRA applied on the device, say) lets the host store keep what the caller wants kept in RAM
 (the unpatched weights) while the device copy is what the model computes with. It runs every time a block is
-copied in: once for a resident when the plan is armed, at every copy for a streamed block. It is queued on the
-copy stream right after the copy and before the copy's completion event, so the compute stream's wait for that
-event covers it, and the next copy into the same slot waits for the compute stream as before.
+copied in: once for a resident when the plan is armed, at every copy for a streamed block. The backend queues it on
+a stream of its own once the copy's bytes are in, and the copy's completion event follows it, so the compute
+stream's wait for that event covers it, the next copy into the same slot waits for the compute stream as before,
+and the copy stream goes on to the next block's copy without waiting for the LoRA math.
 
 A resident whose host copy is pageable goes through a small page-locked bounce ring (resident_staging.py).
 """

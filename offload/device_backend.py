@@ -86,6 +86,7 @@ class StreamBackend:
         self.measure_time = measure_time
         self.module = torch.get_device_module(device)
         self.copy_stream = self.module.Stream(device=device)
+        self.transform_stream = None  # made at the first after-copy transform (a LoRA on the device)
         self.copy_seconds = 0.0
         self.stall_seconds = 0.0
         # (start, end, is_stall) event pairs not yet read; read lazily so the host never blocks per block.
@@ -95,8 +96,11 @@ class StreamBackend:
         return self.module.Event(enable_timing=self.measure_time)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, then=None) -> CopyHandle:
-        """Queue ``dst.copy_(src)`` on the copy stream after ``after``, then ``then()`` (work on the copied
-        data, queued on the copy stream too); the returned handle's event follows both."""
+        """Queue ``dst.copy_(src)`` on the copy stream after ``after``, then ``then()`` (kernels on the copied
+        data: a LoRA applied on the device) on a stream of its own once the copy is done; the returned handle's
+        event follows both. The copy stream never waits for ``then``: the next block's copy starts as soon as
+        this one's bytes are in, while its LoRA math runs beside it. A slot is only refilled after the compute
+        stream read it, and the compute stream waits for this handle, so ``then``'s writes are done by then."""
         started = None
         with self.module.stream(self.copy_stream):
             if after is not None:
@@ -106,10 +110,16 @@ class StreamBackend:
                 started = self._event()
                 started.record(self.copy_stream)
             dst.copy_(src, non_blocking=True)
-            if then is not None:
-                then()
             done = self._event()
             done.record(self.copy_stream)
+        if then is not None:
+            if self.transform_stream is None:
+                self.transform_stream = self.module.Stream(device=self.device)
+            with self.module.stream(self.transform_stream):
+                self.transform_stream.wait_event(done)
+                then()
+                done = self._event()
+                done.record(self.transform_stream)
         if self.measure_time:
             self._pending.append((started, done, False))
             if len(self._pending) > 4096:  # nobody reads the stats: fold what has finished
@@ -158,6 +168,8 @@ class StreamBackend:
 
     def synchronize(self) -> None:
         self.copy_stream.synchronize()
+        if self.transform_stream is not None:
+            self.transform_stream.synchronize()
 
 
 def normalize_device(device: torch.device) -> torch.device:

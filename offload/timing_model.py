@@ -20,7 +20,8 @@ each of those takes follows from bytes, FLOPs and a GPU's published figures. Thi
    and a host synchronize holds the host. The copy stream is the one host-to-device copy engine; the compute
    stream is the SMs. Durations: a copy is ``bytes / H2D rate`` (plus a small fixed latency), a block's kernels
    are ``FLOPs / (achievable matmul rate x DiT efficiency)`` plus its per-forward weight casts (fp8, GGUF
-   dequantisation) at HBM speed, a LoRA transform is its HBM traffic at HBM speed on the copy stream.
+   dequantisation) at HBM speed, a LoRA transform is its HBM traffic at HBM speed on whichever stream the
+   backend queues it (its own stream since the LoRA was moved off the copy stream).
 
 Out (:class:`Prediction`): the steady-state step time (between the ends of the last two of three forwards; the
 first arms the plan and teaches the call order, the second and third run alike), the bound
@@ -34,8 +35,8 @@ What the model assumes (it is a model: a GPU run checks it the day one is lent):
 - Host memory is page-locked for every streamed block (the pinned path); a copy runs at the pinned H2D rate the
   whole time, whatever else the GPU does, and only one copy runs at a time (one copy engine per direction).
 - A block's kernels run at one rate: its FLOPs at the achievable dense bf16 matmul rate times
-  :data:`DIT_EFFICIENCY` (attention, norms and element-wise kernels run below the matmul peak). Kernels on the
-  copy stream (LoRA) take no SM time from the compute stream (optimistic where LoRA is heavy).
+  :data:`DIT_EFFICIENCY` (attention, norms and element-wise kernels run below the matmul peak). Kernels on a
+  stream other than the compute stream (LoRA) take no SM time from it (optimistic where LoRA is heavy).
 - The host issues work ahead of the GPU without limit (CUDA's launch queue is not modelled); it pays
   :data:`HOST_S_PER_STREAMED_BLOCK` of manager bookkeeping at each streamed block's copy and
   :data:`LAUNCH_S_PER_BLOCK` to launch each block's kernels, and with ``sync_each_step`` waits for the compute
@@ -184,6 +185,7 @@ def _recording_backend(device: _RecordingDevice):
             self.device = torch.device("cpu")
             self.measure_time = True
             self.copy_stream = device.Stream()
+            self.transform_stream = None
             self.copy_seconds = self.stall_seconds = 0.0
             self._pending = []
 

@@ -1,5 +1,5 @@
-"""The device-side LoRA's work is queued on the copy stream, after the block's copy and before its completion event,
-with no host-side synchronisation on that path, checked with the vector-clock ``torch.cuda`` stand-in of
+"""The device-side LoRA's work is queued on a transform stream of its own, after the block's copy and before its
+completion event, with no host-side synchronisation on that path, checked with the vector-clock ``torch.cuda`` stand-in of
 tests/unit/test_stream_ordering.py over ComfyUI's real LoRA math (comfy.lora.calculate_weight).
 
 On the CPU loopback the load device is the host, so "on the device" is decided by storage: the LoRA math may read
@@ -57,7 +57,7 @@ class DeviceOnly(TorchDispatchMode):
         return out
 
 
-def test_the_lora_is_queued_on_the_copy_stream_with_no_host_sync(monkeypatch):
+def test_the_lora_is_queued_on_its_own_stream_with_no_host_sync(monkeypatch):
     monkeypatch.setenv("LAYERWISE_OFFLOAD_CPU_LOOPBACK", "1")
     patcher, transform, want = offloaded_with_lora(1)  # arms and installs the hooks
     controller = patcher.attachments["layerwise_offload"]
@@ -102,7 +102,7 @@ def test_the_lora_is_queued_on_the_copy_stream_with_no_host_sync(monkeypatch):
     patched = set(transform.plan)
     assert {index for index, *_ in runs} == patched
     for index, stream, _, problems in runs:
-        assert stream == "copy", f"block {index}'s LoRA ran on the {stream} stream"
+        assert stream == "transform", f"block {index}'s LoRA ran on the {stream} stream"
         assert not problems, f"block {index}'s LoRA: {problems[:3]}"
 
 

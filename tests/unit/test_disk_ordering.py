@@ -106,6 +106,7 @@ class Backend(StreamBackend):
     def __init__(self, module):
         self.module, self.device, self.measure_time = module, torch.device("cpu"), True
         self.copy_stream = module.Stream()
+        self.transform_stream = None
         self.copy_seconds = self.stall_seconds = 0.0
         self._pending = []
         self.copies = []  # (source's first byte, clock at start, clock at end)

@@ -17,10 +17,12 @@ from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import LayerwiseOffloadManager
 from layerwise_offload.offload.device_backend import StreamBackend
 
-STREAMS = ("compute", "copy")
+STREAMS = ("compute", "copy", "transform")
 
 
 class FakeStream:
+    waits = []  # (waiting stream, stream the event was recorded on): every wait_event of every stream
+
     def __init__(self, name):
         self.name = name
         self.clock = {s: 0 for s in STREAMS}
@@ -30,6 +32,7 @@ class FakeStream:
         return dict(self.clock)
 
     def wait_event(self, event):
+        FakeStream.waits.append((self.name, event.stream))
         if event.clock is not None:
             for s in STREAMS:
                 self.clock[s] = max(self.clock[s], event.clock[s])
@@ -41,9 +44,11 @@ class FakeStream:
 class FakeEvent:
     def __init__(self, enable_timing=False):
         self.clock = None
+        self.stream = None
 
     def record(self, stream):
         self.clock = stream.tick()
+        self.stream = stream.name
 
     def synchronize(self):
         pass
@@ -63,9 +68,12 @@ class FakeCudaModule:
     def __init__(self):
         self.compute = FakeStream("compute")
         self.current = self.compute
+        self.made = 0
 
     def Stream(self, device=None):
-        return FakeStream("copy")
+        """The backend's copy stream first, then its after-copy transform stream."""
+        self.made += 1
+        return FakeStream(STREAMS[min(self.made, len(STREAMS) - 1)])
 
     @contextmanager
     def stream(self, stream):
@@ -89,6 +97,7 @@ class RecordingBackend(StreamBackend):
         self.device = torch.device("cpu")
         self.measure_time = True
         self.copy_stream = module.Stream()
+        self.transform_stream = None
         self.copy_seconds = self.stall_seconds = 0.0
         self._pending = []
         self.writes = []  # (start, end, first byte, last byte, clock at start, clock at end)
@@ -127,7 +136,7 @@ class YesPinner:
 PINNING = {"pinned": YesPinner(), "pageable": None, "mixed": YesPinner(refuse_after=2)}
 
 
-def halve_on_the_copy_stream(fake, backend):
+def halve_on_the_device(fake, backend):
     """An after-copy transform that halves a block's weights (exact in every dtype) and records its write
     into the block's device memory, with the clock of the stream it ran on."""
     backend.transform_writes = []  # (first byte, last byte, clock, stream it ran on)
@@ -161,9 +170,10 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
         manager.host.pinner.count = 0
     manager.host.available_host_bytes = lambda: 2**40
     fake = FakeCudaModule()
+    FakeStream.waits = []
     manager.backend = backend = (backend_class or RecordingBackend)(fake)
     if transform:
-        manager.set_after_copy(halve_on_the_copy_stream(fake, backend))
+        manager.set_after_copy(halve_on_the_device(fake, backend))
     manager.attach(model)
     track_issuing_hook(manager, backend)
     reads = []  # (block, memory range, clock when its reads start, clock when they end)
@@ -177,7 +187,7 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
             assert happens_before(writer[3], starts[index][1]), f"block {index} may read before its copy finished"
             for begin, end, clock, stream in getattr(backend, "transform_writes", ()):
                 if overlaps((begin, end), span):
-                    assert stream == "copy", f"block {index}'s after-copy transform ran on the {stream} stream"
+                    assert stream == "transform", f"block {index}'s after-copy transform ran on the {stream} stream"
                     assert happens_before(clock, starts[index][1]), f"block {index} may read before its transform"
         return hook
 
@@ -196,6 +206,8 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
         for _ in range(3):
             assert torch.equal(model(x), want)
     assert backend.writes and reads
+    # The next copy never queues behind a LoRA: the copy stream waits on the compute stream only.
+    assert ("copy", "transform") not in FakeStream.waits, "the copy stream waits for an after-copy transform"
     for number, (begin, end, write_start, _) in enumerate(backend.writes):
         for index, span, _, read_finished, writes_before in reads:
             if writes_before <= number and overlaps((begin, end), span):
@@ -264,7 +276,7 @@ def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(re
 
 @pytest.mark.parametrize("pinning", ["pinned", "pageable"])
 @pytest.mark.parametrize("resident, prefetch, policy, order", SCENARIOS[:4] + SCENARIOS[5:6])
-def test_an_after_copy_transform_runs_on_the_copy_stream_before_the_block_reads(resident, prefetch, policy, order,
+def test_an_after_copy_transform_runs_on_its_own_stream_before_the_block_reads(resident, prefetch, policy, order,
                                                                                pinning):
     """A LoRA applied on the device: ordered after the copy, before the reads, never twice (the host keeps the
     untransformed weights, so three forwards give the same output as the halved reference)."""
@@ -274,14 +286,26 @@ def test_an_after_copy_transform_runs_on_the_copy_stream_before_the_block_reads(
 
 
 class TransformAfterTheEvent(RecordingBackend):
-    """The transform queued after the copy's completion event: the compute stream would not wait for it."""
+    """The transform queued outside what the copy's handle covers: the compute stream would not wait for it."""
 
     def copy(self, dst, src, after=None, then=None):
         handle = super().copy(dst, src, after)
         if then is not None:
-            with self.module.stream(self.copy_stream):
+            if self.transform_stream is None:
+                self.transform_stream = self.module.Stream()
+            with self.module.stream(self.transform_stream):
                 then()
         return handle
+
+
+class TransformOnTheCopyStream(RecordingBackend):
+    """The older order: the transform on the copy stream before the copy's event (the next copy waits behind it)."""
+
+    def copy(self, dst, src, after=None, then=None):
+        def on_the_copy_stream():
+            with self.module.stream(self.copy_stream):
+                then()
+        return super().copy(dst, src, after, on_the_copy_stream if then is not None else None)
 
 
 class TransformOnTheComputeStream(RecordingBackend):
@@ -292,9 +316,9 @@ class TransformOnTheComputeStream(RecordingBackend):
         return handle
 
 
-@pytest.mark.parametrize("broken", [TransformAfterTheEvent, TransformOnTheComputeStream])
+@pytest.mark.parametrize("broken", [TransformAfterTheEvent, TransformOnTheComputeStream, TransformOnTheCopyStream])
 def test_the_checker_catches_a_misordered_transform(broken):
-    with pytest.raises(AssertionError, match="before its transform|transform ran on the compute"):
+    with pytest.raises(AssertionError, match="before its transform|transform ran on the (compute|copy)"):
         run_checked(0, 1, "leading", None, "pinned", backend_class=broken, transform=True)
 
 

@@ -64,13 +64,16 @@ def test_leading_with_prefetch_1_leaves_the_copy_engine_idle_under_the_residents
     assert (policy, prefetch) == ("strided", 1) and prediction.ratio == pytest.approx(1.0)
 
 
-def test_lora_on_the_copy_stream_delays_the_next_copy():
-    """Copy 2 s + LoRA 1 s on the copy stream per block, compute 1 s: the engine gets each slot 3 s apart."""
+def test_lora_on_a_stream_of_its_own_never_delays_the_next_copy():
+    """Copy 2 s + LoRA 1 s per block, compute 1 s. The backend queues the LoRA on a stream of its own after the
+    copy's bytes are in: the copy engine runs the copies back to back and the step is the copy bound (on the copy
+    stream, as before, the engine got each slot 3 s apart: 18 s)."""
     c = costs(6, 2.0, 1.0, lora_bytes=(1.0,) * 6)
     p = tm.predict(c, UNIT, 0)
-    assert p.step_s == pytest.approx(18.0) and p.bound_s == pytest.approx(12.0)
+    assert p.step_s == pytest.approx(12.0, rel=1e-3) and p.bound_s == pytest.approx(12.0)
     kernels = [op for op in p.trace.forward_ops(2) if op[0] == "kernel" and op[2] == "transform"]
-    assert len(kernels) == 6 and {op[1] for op in kernels} == {"copy"}
+    assert len(kernels) == 6 and len({op[1] for op in kernels}) == 1 and not {op[1] for op in kernels} & {
+        "copy", "compute"}
 
 
 def test_host_time_bounds_the_step_when_the_gpu_is_fast():
