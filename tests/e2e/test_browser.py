@@ -1,12 +1,13 @@
-"""The real ComfyUI frontend (the one the session's ComfyUI pins: 1.32.9 for 0.3.75, 1.39 for 0.14.1; or another
-served with --front-end-root, e.g. PyPI's comfyui-frontend-package 1.58.1: LAYERWISE_OFFLOAD_FRONTEND_ROOT=<its
-static folder>) in headless Debian Chromium, driven with Playwright's Python API: the app loads with the node
-registered, the node search finds it, every workflow in workflows/ loads with no missing-node warning (the GGUF one
-through ComfyUI-GGUF, installed next to this pack where shared/peers has it; without it, its loaders must be the only
-missing nodes), a template's missing diffusion model (its Load Diffusion Model (Layerwise) file) is listed with a
-Download button that opens the template's URL (this one on 1.58.1 too: scripts/test.sh), the templates dialog lists
-the pack and loads the tiny demo, the tiny demo queued from the page's Run button completes (test_browser_stats.py,
-with what the Stats node draws; screenshots go to artifacts/).
+"""The real ComfyUI frontend (the one the session's ComfyUI pins: 1.32.9 for 0.3.75, 1.39 for 0.14.1, 1.49.6 for
+0.33.0; or another served with --front-end-root, e.g. PyPI's comfyui-frontend-package 1.58.1:
+LAYERWISE_OFFLOAD_FRONTEND_ROOT=<its static folder>) in headless Debian Chromium, driven with Playwright's Python
+API: the app loads with the node registered, the node search finds it, every workflow in workflows/ loads with no
+missing-node warning (1.32, 1.39: a dialog; 1.49: a toast and the Errors tab of the right side panel; the GGUF one
+through ComfyUI-GGUF, installed next to this pack where shared/peers has it; without it, its loaders must be the
+only missing nodes), a template's missing diffusion model (its Load Diffusion Model (Layerwise) file) is listed with
+a Download button that opens the template's URL (this one on 1.58.1 too: scripts/test.sh), the templates dialog
+lists the pack and loads the tiny demo, the tiny demo queued from the page's Run button completes
+(test_browser_stats.py, with what the Stats node draws; screenshots go to artifacts/).
 
 Needs /usr/bin/chromium and the playwright Python package (scripts/install_browser.sh, which scripts/test.sh
 runs); skips when either is missing. Playwright never downloads a browser here: executable_path points at
@@ -130,10 +131,12 @@ def _close_dialogs(pg) -> None:
 
 def _open_node_search(pg):
     """Double-click the empty canvas as a person does. On a busy machine the page can take the two clicks as two
-    single clicks; a person would double-click again, and so does this (each try leaves a screenshot)."""
+    single clicks; a person would double-click again, and so does this (each try leaves a screenshot). The box is
+    the text field of the search dialog that opens, by what it says: "Search Nodes..." in 1.32 and 1.39, "Add a
+    node..." in 1.49 and 1.58 (whose right side panel has a "Search ..." box of its own: not this one)."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
-    box = pg.locator("input[placeholder*='Search']").first
+    box = pg.locator("input[placeholder*='Search Nodes' i], input[placeholder*='Add a node' i]").first
     for attempt in range(3):
         _close_dialogs(pg)
         pg.locator("#graph-canvas").dblclick(position={"x": 800, "y": 500})
@@ -150,17 +153,76 @@ def _dialog_texts(pg):
     return [d.nth(i).inner_text() for i in range(d.count())]
 
 
+def _error_toast(pg):
+    """1.49's warning after a load: a toast (role status) in the top right corner, "Missing node: <type>" or "<n>
+    errors found", whose View details button opens the Errors tab of the right side panel. 1.32 and 1.39 open
+    dialogs instead."""
+    return pg.get_by_role("status").filter(has=pg.get_by_role("button", name="View details"))
+
+
+def _notices(pg):
+    """What the page shows a person after a load: the texts of its dialogs and of its error toast."""
+    toast = _error_toast(pg)
+    return _dialog_texts(pg) + [toast.nth(i).inner_text() for i in range(toast.count()) if toast.nth(i).is_visible()]
+
+
 def _load(pg, wf: dict, name: str):
     _close_dialogs(pg)
     pg.evaluate("async ([w, name]) => { await window.app.loadGraphData(w, true, true, name); }", [wf, name])
-    pg.wait_for_timeout(800)  # the warning dialogs open right after the graph is configured
-    return _dialog_texts(pg)
+    pg.wait_for_timeout(800)  # the warning dialogs (the error toast) open right after the graph is configured
+    return _notices(pg)
+
+
+def _open_error_details(pg) -> bool:
+    """1.49: press View details on the error toast and wait for the Errors tab it opens. False: no toast."""
+    toast = _error_toast(pg)
+    if not (toast.count() and toast.first.is_visible()):
+        return False
+    toast.first.get_by_role("button", name="View details").click()
+    pg.locator("[data-testid=errors-summary-hero]").first.wait_for(state="visible", timeout=10_000)
+    return True
+
+
+def _missing_nodes_listing(pg):
+    """Where the frontend names the node types a loaded workflow uses but nobody registered: the "This workflow has
+    missing nodes" dialog (1.32, 1.39), or the Missing Node Packs group of the Errors tab that the error toast's
+    View details opens (1.49; it lists them by the pack their cnr_id names, each pack expanded here to show the
+    node types, as a person does). None when it names none (1.49: no toast, or an Errors tab without that group)."""
+    import re
+
+    dialog = pg.get_by_role("dialog").filter(has_text=re.compile("missing nodes", re.I))
+    if dialog.count():
+        return dialog.first
+    group = pg.locator("[data-testid=error-group-missing-node]")
+    if not (group.count() and group.first.is_visible()):
+        _open_error_details(pg)
+    if not (group.count() and group.first.is_visible()):
+        return None
+    collapsed = group.first.locator("[data-testid=missing-node-pack-expand][aria-expanded=false]")
+    while collapsed.count():
+        collapsed.first.click()
+        pg.wait_for_timeout(200)
+    return group.first
 
 
 def _broken_nodes(pg):
-    return pg.evaluate("""() => window.app.graph._nodes
-        .filter(n => n.has_errors || !window.LiteGraph.registered_node_types[n.type])
+    """The types of the nodes the frontend could not build: a type nobody registered, LiteGraph's missing-node
+    placeholder (it keeps the node's JSON in last_serialization to save it back), or a node flagged has_errors for
+    another reason than a model file the server lacks (1.32 and 1.39 flag only missing nodes; 1.49 also flags every
+    loader whose combo names a file that is not in the server's list -- the templates' big models -- and lists
+    those files under Missing Models)."""
+    return pg.evaluate("""() => window.app.graph._nodes.filter(n => {
+            const missingFile = (n.widgets || []).some(w => w.type === 'combo' && typeof w.value === 'string'
+                && Array.isArray(w.options?.values) && !w.options.values.includes(w.value));
+            return !window.LiteGraph.registered_node_types[n.type] || !!n.last_serialization
+                || (n.has_errors && !missingFile); })
         .map(n => n.type)""")
+
+
+def _undrawn_nodes(pg):
+    """The types of the graph's nodes that LiteGraph did not draw in the last frame (not in canvas.visible_nodes)."""
+    return pg.evaluate("""() => { const drawn = new Set((window.app.canvas.visible_nodes || []).map(n => n.id));
+        return window.app.graph._nodes.filter(n => !drawn.has(n.id)).map(n => n.type); }""")
 
 
 # ------------------------------------------------------------------------------------------------ tests
@@ -172,13 +234,17 @@ def test_frontend_loads_with_the_node_registered(page):
 
 
 def test_node_search_finds_and_adds_the_node(page):
+    import re
+
     _close_dialogs(page)
     page.evaluate("() => window.app.graph.clear()")
     box = _open_node_search(page)
     box.fill("Layerwise")
     option = page.get_by_role("option").filter(has_text=DISPLAY).first
     option.wait_for(state="visible", timeout=10_000)
-    assert "layerwise_offload" in option.inner_text()  # the category path shown under the name
+    # The category path shown under the name: "model_patches > layerwise_offload" (1.32, 1.39), "model_patches /
+    # layerwise_offload" (1.49, beside the pack's chip "layerwise-offload" and the description).
+    assert re.search(r"model_patches\s*[>/]\s*layerwise_offload", option.inner_text()), option.inner_text()
     _shot(page, "node_search")
     option.click()
     page.wait_for_timeout(300)
@@ -189,44 +255,69 @@ def test_node_search_finds_and_adds_the_node(page):
 
 
 def test_missing_node_detector_sees_a_missing_node(page):
-    # Negative control for the next test: a node type nobody registered must be caught by both checks.
+    # Negative control for the next test: a node type nobody registered must be caught by both checks: what the
+    # frontend shows a person (1.32, 1.39: a "missing nodes" dialog naming it; 1.49: a toast "Missing node: <type>",
+    # its View details opening the Errors tab whose Missing Node Packs group names it) and _broken_nodes.
     wf = json.loads(TINY.read_text())
     wf["nodes"][0]["type"] = "DefinitelyNotARealNode"
     texts = _load(page, wf, "missing_control")
-    assert any("missing nodes" in t.lower() for t in texts), texts
+    assert any("missing node" in t.lower() and "DefinitelyNotARealNode" in t for t in texts), texts
+    _shot(page, "missing_node_control")
+    listing = _missing_nodes_listing(page)
+    assert listing is not None, _notices(page)
+    assert "DefinitelyNotARealNode" in listing.inner_text(), listing.inner_text()
+    _seen_on_screen(page, listing, "the listing of the missing node")
+    _shot(page, "missing_node_control_listing")
     assert _broken_nodes(page) == ["DefinitelyNotARealNode"]
     _close_dialogs(page)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
 def test_workflow_loads_without_missing_nodes(page, path, missing_peers):
+    import re
+
     wf = json.loads(path.read_text())
     texts = _load(page, wf, path.stem)
     # Node types of peer packs the session's server lacks (their source is not on this machine) are the only
     # ones allowed to be missing, and the frontend must say so.
     absent = sorted(n["type"] for n in wf["nodes"] if PEER_NODES.get(n["type"], ("",))[0] in missing_peers)
+    listing = _missing_nodes_listing(page)
     if absent:
-        missing = [t for t in texts if "missing nodes" in t.lower()]
-        assert missing and all(name in missing[0] for name in absent), texts
+        assert listing is not None and all(name in listing.inner_text() for name in absent), texts
         assert sorted(_broken_nodes(page)) == absent
         _close_dialogs(page)
         pytest.skip(f"{', '.join(sorted(set(absent)))} missing as expected: "
                     + "; ".join(sorted(set(missing_peers.values()))))
-    assert not any("missing nodes" in t.lower() for t in texts), texts
+    assert listing is None, listing.inner_text()
+    assert not any("missing nodes" in t.lower() or "missing node:" in t.lower() for t in texts), texts
+    # Every node is registered (ours and the template's core nodes), built from its class, and drawn.
     assert _broken_nodes(page) == []
+    assert page.evaluate("""() => window.app.graph._nodes.filter(n => {
+        const cls = window.LiteGraph.registered_node_types[n.type]; return !cls || !(n instanceof cls); })
+        .map(n => n.type)""") == []
+    assert _undrawn_nodes(page) == []
     graph = page.evaluate("() => ({nodes: window.app.graph._nodes.length, links: Object.keys("
                           "window.app.graph.links instanceof Map ? Object.fromEntries(window.app.graph.links) "
-                          ": window.app.graph.links).length})")
-    assert graph == {"nodes": len(wf["nodes"]), "links": len(wf["links"])}
-    missing_models = [t for t in texts if "Missing Models" in t]
+                          ": window.app.graph.links).length, types: window.app.graph._nodes.map(n => n.type)})")
+    assert graph == {"nodes": len(wf["nodes"]), "links": len(wf["links"]), "types": [n["type"] for n in wf["nodes"]]}
     loaders = [n["widgets_values"][0] for n in wf["nodes"] if n["type"] in ("UNETLoader", LAYERWISE_LOADER)]
     if path == TINY:
         assert not texts, texts  # every file the tiny demo loads is on the server
     else:
-        # The real models are not here: the frontend offers to download them, from the URLs the workflow carries.
-        assert missing_models and all(name in missing_models[0] for name in loaders), texts
-        # .gguf files carry no URL (this frontend downloads only .safetensors); the note says where they come from.
-        assert not any(".gguf" in t for t in missing_models), texts
+        # The real models are not here: the frontend offers to download them, from the URLs the workflow carries
+        # (1.32, 1.39: a "Missing Models" dialog; 1.49: the Missing Models group of the Errors tab).
+        listing = _missing_models_listing(page)
+        text = listing.inner_text()
+        assert all(name in text for name in loaders), text
+        with_url = sorted({m["name"] for n in wf["nodes"] for m in n.get("properties", {}).get("models", [])})
+        for name in with_url:
+            _model_row(listing, name)
+        # .gguf files carry no URL (these frontends download only .safetensors); the note says where they come
+        # from. 1.32 and 1.39 leave them out; 1.49 lists them (folder Unknown, the loader's title) with no Download.
+        downloads = listing.get_by_role("button", name=re.compile(r"^Download\b(?! all)"))
+        assert downloads.count() == len(with_url), text
+        if listing.get_attribute("role") == "dialog":
+            assert ".gguf" not in text, text
     _shot(page, f"workflow_{path.stem}")
     _close_dialogs(page)
     _thumbnail(page, path)
@@ -320,6 +411,8 @@ def _missing_models_listing(page):
     while time.monotonic() < deadline:
         if dialog.count():
             return dialog.first
+        if group.count() and group.first.is_visible():  # the Errors tab is open already (_missing_nodes_listing)
+            return group.first
         if details.count() and details.first.is_visible():
             details.first.click()
             try:
