@@ -1,0 +1,383 @@
+"""Never more RAM than ComfyUI alone, with no slack (issue 26): in a memory cgroup (no swap) at ComfyUI alone's own
+limit, the smallest at which ComfyUI alone completes the prompt (found here), the node at its defaults completes
+the same prompt, bitwise equal to ComfyUI alone, three times over.
+
+For each loader (ComfyUI's UNETLoader, Load Diffusion Model (Layerwise), ComfyUI-GGUF's UnetLoaderGGUF), on
+whichever ComfyUI runs the suite, ComfyUI alone is the loader straight into the sampler, without the node. It runs
+once with no limit (its cgroup peak), then under limits bisected between what the warm server holds and that peak,
+to 32 MiB. At the smallest limit it completed under, plus the two streaming slots of prefetch 1 (the CPU loopback's
+"VRAM": a GPU holds them in VRAM), the node runs at its defaults (resident_layers auto, prefetch 1, leading,
+pin_memory on, host_store auto) three times: each completes, bitwise ComfyUI alone's latent, without the "host
+memory is short" refusal, auto keeping no resident block (a resident would be more loopback "VRAM" than the two
+slots), and the server lives. Before every run everything is unloaded and the model's file dropped from the page
+cache, so each run starts from the same state and page-cache timing cannot flip the outcome.
+
+A run that does not fit meets the cgroup's OOM killer, as a user's ComfyUI would: a fresh server, warmed up the
+same way, takes over. (Switching the killer off instead, cgroup v1's ``oom_kill_disable``, was tried: system calls
+then fail with ENOMEM or EFAULT where the killer would kill, and page faults on a mapped checkpoint can spin for
+minutes without ever reporting ``under_oom``.) When the node does not complete, its own smallest limit is
+searched too, and the failure names both, the phase it stopped in (loading, the node's check, packing, sampling)
+and the log's host-store plan.
+
+The models are Wan 2.1 DiTs of tiny activations and 8 blocks of 64 MiB: fp32 safetensors (dim 1024, ffn 4096) for
+UNETLoader and the Layerwise loader, an F16 .gguf (ffn 12288) for ComfyUI-GGUF (skipped where shared/peers or the
+gguf package is missing). Skipped where no memory cgroup can be made (not root, no memory controller).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import pytest
+import safetensors.torch
+import torch
+
+from layerwise_offload.devtools import e2e_assets, peers, tiny_dits
+from layerwise_offload.devtools.server import ServerError, execution_error, prepare_base_dir
+
+from .conftest import CPU_LOOPBACK_ENV, server_args
+from .test_host_ram_cgroup import Cgroup, ServerInCgroup
+from .test_host_rss import one_step_prompt, unload_everything
+from .test_loader_cgroup import drop_page_cache
+from .test_server import saved_latent
+
+MiB = 2**20
+RESOLUTION = 32 * MiB
+RUNS = 3
+MODEL_NAME = "layerwise_offload_limit_wan21.safetensors"
+GGUF_NAME = "layerwise_offload_limit_wan21_F16.gguf"
+WARM_GGUF_NAME = "layerwise_offload_limit_tiny_wan21_F16.gguf"
+CONFIG = dict(tiny_dits.WAN21_TINY_CONFIG, dim=1024, num_heads=8, ffn_dim=4096, num_layers=8)  # fp32: 64 MiB blocks
+GGUF_CONFIG = dict(CONFIG, ffn_dim=12288)  # F16 matrices: 64 MiB blocks
+# The node as a user drops it in (checked against the node's own defaults).
+DEFAULTS = {"resident_layers": -1, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True,
+            "host_store": "auto"}
+LAYERWISE_LOADER = "LayerwiseOffloadLoadDiffusionModel"
+GGUF_LOADER = "UnetLoaderGGUF"
+LOADERS = ("UNETLoader", LAYERWISE_LOADER, GGUF_LOADER)
+EMPTY_PROMPT = {"1": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 16, "height": 16, "length": 1,
+                                                                          "batch_size": 1}},
+                "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "limit/none"}}}
+# Log lines that mark how far a prompt got, in order, each with the phase that follows it: a run that stopped is
+# in the phase after the last one seen.
+PHASES = ((r"got prompt", "loading the model"),
+          (r"model weight dtype|gguf qtypes|\] loaded .* left in the file",
+           "the loader's weights, then the node's host-memory check (or ComfyUI alone's load)"),
+          (r"\]\s.*plan: .* resident, prefetch", "ComfyUI's load (the node's packing)"),
+          (r"\] host store: \d+ of \d+ blocks on disk", "packing (blocks on disk first)"),
+          (r"\] host store: \d+ blocks packed", "sampling, up to its first forward (the disk tier's first read)"),
+          (r"auto plan: \d+/\d+ blocks resident", "sampling"),
+          (r"\] run: ", "done"))
+
+
+def gguf_missing() -> Optional[str]:
+    """Why ComfyUI-GGUF cannot run here, or None."""
+    if importlib.util.find_spec("gguf") is None:
+        return "the gguf package (a dev package of scripts/setup_env.sh) is not installed"
+    if peers.peer_tarball() is None:
+        return f"no shared/peers/{peers.GGUF_TARBALL} beside the repository (set LAYERWISE_OFFLOAD_SHARED)"
+    return None
+
+
+def model_of(loader: str) -> str:
+    return GGUF_NAME if loader == GGUF_LOADER else MODEL_NAME
+
+
+def prompt(loader: str, name: str, prefix: str, offload=None) -> dict:
+    """The one-step tiny-demo prompt with ``loader`` loading ``name`` (node "1"), through the node if ``offload``."""
+    p = one_step_prompt(offload=offload, unet=name, prefix=prefix)
+    if loader == LAYERWISE_LOADER:
+        p["1"] = {"class_type": LAYERWISE_LOADER, "inputs": {"unet_name": name, "weight_dtype": "default"}}
+    elif loader == GGUF_LOADER:
+        p["1"] = {"class_type": GGUF_LOADER, "inputs": {"unet_name": name}}
+    return p
+
+
+def phase(log: str) -> str:
+    reached = "queued"
+    for pattern, after in PHASES:
+        if re.search(pattern, log):
+            reached = after
+    return reached
+
+
+# ------------------------------------------------------------------------------------------------ the cgroup
+def oom_kills(cgroup: Cgroup) -> int:
+    """How many tasks the cgroup's OOM killer has killed (v1: memory.oom_control, v2: memory.events)."""
+    for name in ("memory.oom_control", "memory.events"):
+        try:
+            found = re.search(r"^oom_kill (\d+)", (cgroup.path / name).read_text(), re.M)
+        except OSError:
+            continue
+        if found:
+            return int(found.group(1))
+    return 0
+
+
+@dataclass
+class Attempt:
+    completed: bool
+    limit: Optional[int]
+    peak: int  # the cgroup's peak
+    before: int  # the cgroup's usage when the run started
+    seconds: float
+    log: str  # what the server logged during the run
+    why: str = ""  # why it did not complete
+    latent: Optional[torch.Tensor] = None
+
+    @property
+    def disk_plan(self) -> str:
+        found = re.search(r"host store: \d+ of \d+ blocks on disk[^\n]*", self.log)
+        if found:
+            return found.group(0)[:300]
+        return "no blocks on disk" if self.completed else "no 'blocks on disk' line (not planned, or all in RAM)"
+
+    @property
+    def residents(self) -> Optional[int]:
+        found = re.search(r"auto plan: (\d+)/\d+ blocks resident", self.log)
+        return int(found.group(1)) if found else None
+
+
+@dataclass
+class Servers:
+    """The module's server in the cgroup: one, until the OOM killer takes it; then a fresh one, warmed up the same
+    way. ``summary``: the lines printed again at the end of the module."""
+
+    cgroup: Cgroup
+    base: Path
+    block: Dict[str, int]  # loader -> the largest block as the manager copies it (a streaming slot)
+    gguf_missing: Optional[str]
+    server: Optional[ServerInCgroup] = None
+    starts: int = 0
+    start_seconds: float = 0.0
+    limits: Dict[str, tuple] = field(default_factory=dict)  # loader -> ComfyUI alone's (smallest limit, free run)
+    summary: List[str] = field(default_factory=list)
+    said: bool = False
+
+    def ensure(self) -> ServerInCgroup:
+        if self.server is not None and self.server.alive():
+            return self.server
+        if self.server is not None:
+            self.server.stop()
+        started = time.perf_counter()
+        self.cgroup.set_limit(None)
+        self.server = ServerInCgroup(self.cgroup, self.base, cpu=True, env={CPU_LOOPBACK_ENV: "1"},
+                                     extra_args=server_args())
+        self.server.start(timeout=300)
+        # Imports and caches of every path the runs take (the sampler, the node, each loader), on tiny models.
+        warm = {"resident_layers": 0, "prefetch_size": 1}
+        self.server.run_prompt(prompt("UNETLoader", e2e_assets.TINY_WAN21_NAME, "limit/warm", warm))
+        self.server.run_prompt(prompt(LAYERWISE_LOADER, e2e_assets.TINY_WAN21_NAME, "limit/warm", warm))
+        if self.gguf_missing is None:
+            self.server.run_prompt(prompt(GGUF_LOADER, WARM_GGUF_NAME, "limit/warm", warm))
+        unload_everything(self.server)
+        self.starts += 1
+        self.start_seconds += time.perf_counter() - started
+        return self.server
+
+    def say(self, line: str, summary: bool = False) -> None:
+        print(("" if self.said else "\n") + line)
+        self.said = True
+        if summary:
+            self.summary.append(line)
+
+
+def write_models(models: Path, missing_gguf: Optional[str]) -> Dict[str, int]:
+    """The fp32 safetensors Wan and (where ComfyUI-GGUF runs) the F16 .gguf one; returns each loader's block bytes."""
+    patcher = tiny_dits._build("WAN21_T2V", CONFIG, 11, torch.float32)
+    state = {k: v.detach().contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
+    del patcher
+    safetensors.torch.save_file(state, str(models / MODEL_NAME))
+    block = sum(t.nbytes for k, t in state.items() if k.startswith("blocks.0."))
+    figures = {"UNETLoader": block, LAYERWISE_LOADER: block}
+    del state
+    if missing_gguf is None:
+        from layerwise_offload.devtools.quantized_models import save_gguf, save_tiny_wan21_gguf
+
+        save_tiny_wan21_gguf(models / WARM_GGUF_NAME, "F16", seed=0)
+        patcher = tiny_dits._build("WAN21_T2V", GGUF_CONFIG, 12, torch.float16)
+        state = {k: v.detach().contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
+        del patcher
+        save_gguf(state, models / GGUF_NAME, "F16")
+        # save_gguf writes the block matrices F16 and everything else float32: the block as the manager copies it.
+        figures[GGUF_LOADER] = sum(t.numel() * (2 if t.ndim == 2 else 4) for k, t in state.items()
+                                   if k.startswith("blocks.0."))
+        del state
+    return figures
+
+
+@pytest.fixture(scope="module")
+def limit_servers(tmp_path_factory, tiny_assets):
+    cgroup = Cgroup()
+    base = prepare_base_dir(tmp_path_factory.mktemp("ram_limit_base"))
+    for kind, sub in (("wan21", "diffusion_models"), ("vae", "vae")):
+        (base / "models" / sub / tiny_assets[kind].split("/")[-1]).symlink_to(tiny_assets[kind])
+    e2e_assets.copy_cond(tiny_assets, base)
+    missing = gguf_missing()
+    if missing is None:
+        peers.unpack_peer(base / "custom_nodes")
+    servers = Servers(cgroup, base, write_models(base / "models" / "diffusion_models", missing), missing)
+    try:
+        yield servers
+    finally:
+        if servers.server is not None:
+            servers.server.stop()
+        cgroup.remove()
+        print("\n".join(["", "[layerwise-offload] RAM at ComfyUI alone's limit:"] + servers.summary))
+
+
+# ------------------------------------------------------------------------------------------------ one run
+def wait(servers: Servers, server, prompt_id: str, timeout: float):
+    """(its /history entry, or None and why it did not complete)."""
+    deadline, kills = time.monotonic() + timeout, oom_kills(servers.cgroup)
+    while time.monotonic() < deadline:
+        if not server.alive():
+            return None, "OOM-killed" if oom_kills(servers.cgroup) > kills else "the server died"
+        try:
+            history = server.get_json("/api/history/" + prompt_id, timeout=5)
+        except (ServerError, OSError):  # dying
+            time.sleep(0.1)
+            continue
+        entry = history.get(prompt_id) if isinstance(history, dict) else None
+        if entry and (entry.get("status") or {}).get("status_str") in ("success", "error"):
+            if entry["status"]["status_str"] != "success":
+                error = execution_error(entry) or {}
+                return None, "failed: " + str(error.get("exception_message", entry["status"]))[:1500]
+            return entry, ""
+        time.sleep(0.1)
+    server.stop()  # hung: not a completion; a fresh server takes over
+    return None, f"no answer within {timeout:.0f} s"
+
+
+def runs_prompts(server) -> bool:
+    """Whether the server still runs a prompt (an exception that escapes ComfyUI's prompt worker stops it for good)."""
+    try:
+        server.free_memory()
+        server.run_prompt(EMPTY_PROMPT, timeout=30)
+        return True
+    except ServerError:
+        return False
+
+
+def attempt(servers: Servers, loader: str, limit: Optional[int], prefix: str, offload=None,
+            timeout: float = 150) -> Attempt:
+    """One run under ``limit`` (None: none), from the same state every time: the warm server, nothing loaded, the
+    model's file out of the page cache."""
+    server = servers.ensure()
+    cgroup = servers.cgroup
+    unload_everything(server)
+    drop_page_cache(server.base_dir / "models" / "diffusion_models" / model_of(loader))
+    before = cgroup.usage()
+    log_start = len(server.log_text())
+    started = time.perf_counter()
+    entry, why = None, ""
+    try:
+        try:
+            cgroup.set_limit(limit)
+        except OSError as error:  # EBUSY: the server alone holds more than that, page cache reclaimed
+            why = f"the limit is below what the server holds ({error})"
+        else:
+            cgroup.reset_peak()
+            entry, why = wait(servers, server, server.queue_prompt(prompt(loader, model_of(loader), prefix, offload)),
+                              timeout)
+    finally:
+        peak = cgroup.peak()
+        cgroup.set_limit(None)
+    log = server.log_text()[log_start:]
+    result = Attempt(entry is not None, limit, peak, before, time.perf_counter() - started, log, why)
+    if entry is not None:
+        result.latent = saved_latent(server, entry)
+    elif server.alive() and not runs_prompts(server):
+        why += "; then the server ran no more prompts"
+        server.stop()  # a fresh server takes over
+    result.why = why
+    text = "no limit" if limit is None else f"limit {limit / MiB:.0f} MiB"
+    outcome = "completed" if result.completed else f"{why[:160]} [{phase(log)}]"
+    servers.say(f"[layerwise-offload] {prefix}: {text}: {outcome}; cgroup peak {peak / MiB:.0f} MiB, usage at start "
+                f"{before / MiB:.0f} MiB, {result.seconds:.1f} s")
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ limits
+def comfyui_alone_limit(servers: Servers, loader: str):
+    """ComfyUI alone's smallest limit (to RESOLUTION), its unlimited run, and its latent: bisection between what
+    the server holds before the run (it cannot complete there) and its unlimited peak. Found once per loader."""
+    if loader in servers.limits:
+        return servers.limits[loader]
+    free = attempt(servers, loader, None, f"limit/{loader}/alone_free")
+    assert free.completed, free.why + "\n" + free.log[-3000:]
+    low, high = free.before, -(-free.peak // RESOLUTION) * RESOLUTION
+    while high - low > RESOLUTION:
+        middle = (low + high) // 2 // 4096 * 4096
+        tried = attempt(servers, loader, middle, f"limit/{loader}/alone")
+        if tried.completed:
+            assert torch.equal(tried.latent, free.latent), f"{loader} alone under {middle} B: another latent"
+            high = middle
+        else:
+            low = middle
+    servers.limits[loader] = high, free
+    return high, free
+
+
+def node_limit(servers: Servers, loader: str, failed_at: int, ceiling: int) -> Optional[int]:
+    """The node's own smallest limit (to RESOLUTION) above ``failed_at``, up to ``ceiling`` (None: not found)."""
+    low, step, high = failed_at, RESOLUTION, None
+    while high is None and low < ceiling:
+        tried = min(low + step, ceiling)
+        if attempt(servers, loader, tried, f"limit/{loader}/node_needs", DEFAULTS).completed:
+            high = tried
+        else:
+            low, step = tried, 2 * step
+    while high is not None and high - low > RESOLUTION:
+        middle = (low + high) // 2 // 4096 * 4096
+        if attempt(servers, loader, middle, f"limit/{loader}/node_needs", DEFAULTS).completed:
+            high = middle
+        else:
+            low = middle
+    return high
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader):
+    from layerwise_offload.nodes.offload_node import DEFAULTS as NODE_DEFAULTS
+
+    assert NODE_DEFAULTS == DEFAULTS, "the node's defaults changed: update DEFAULTS here"
+    servers = limit_servers
+    if loader == GGUF_LOADER and servers.gguf_missing:
+        pytest.skip(servers.gguf_missing)
+    started = time.perf_counter()
+    servers.said = False  # this test's first line on a line of its own
+    limit, free = comfyui_alone_limit(servers, loader)
+    slots = 2 * servers.block[loader]  # prefetch 1: two streaming slots, the loopback's "VRAM"
+    servers.say(f"[layerwise-offload] {loader}: ComfyUI alone's smallest limit {limit / MiB:.0f} MiB (unlimited "
+                f"peak {free.peak / MiB:.0f} MiB, the server {free.before / MiB:.0f} MiB before it); the node runs "
+                f"under {limit / MiB:.0f} + {slots / MiB:.0f} MiB (2 loopback slots of {slots / 2 / MiB:.0f} MiB)",
+                summary=True)
+    for run in range(RUNS):
+        got = attempt(servers, loader, limit + slots, f"limit/{loader}/node{run}", DEFAULTS)
+        servers.say(f"[layerwise-offload]   node run {run}: {'completed' if got.completed else got.why[:200]}; "
+                    f"{got.disk_plan}; auto residents: {got.residents}", summary=True)
+        if not got.completed:
+            needs = node_limit(servers, loader, limit + slots, free.peak + 4 * slots)
+            needs_text = (f"the node completes from {needs / MiB:.0f} MiB, {(needs - limit - slots) / MiB:.0f} MiB "
+                          f"above ComfyUI alone + slots" if needs else "the node did not complete below "
+                          f"{(free.peak + 4 * slots) / MiB:.0f} MiB either")
+            head = (f"{loader}, run {run}: did not complete at ComfyUI alone's limit {limit / MiB:.0f} MiB + "
+                    f"{slots / MiB:.0f} MiB of loopback slots: {got.why} (phase: {phase(got.log)}; host store: "
+                    f"{got.disk_plan}; cgroup peak {got.peak / MiB:.0f} MiB; usage at start "
+                    f"{got.before / MiB:.0f} MiB); {needs_text}")
+            servers.say(f"[layerwise-offload] {head}", summary=True)
+            ours = [line[line.index("[layerwise-offload]"):][:400] for line in got.log.splitlines()
+                    if "[layerwise-offload]" in line]
+            pytest.fail("\n".join([head] + ours[-12:] + got.log.splitlines()[-15:]), pytrace=False)
+        assert torch.equal(got.latent, free.latent), f"{loader}, run {run}: not ComfyUI alone's latent"
+        assert "host memory is short" not in got.log, got.log[-3000:]
+        assert got.residents == 0, f"auto kept {got.residents} resident blocks: more loopback 'VRAM' than the slots"
+    assert servers.server.alive()
+    servers.say(f"[layerwise-offload] {loader}: {time.perf_counter() - started:.0f} s; {servers.starts} server "
+                f"start(s) so far ({servers.start_seconds:.0f} s)", summary=True)
