@@ -215,10 +215,21 @@ class DiskTier:
                            "raise prefetch_size")
 
     def _settle(self, staging: _Staging) -> None:
-        if staging.future is not None:
-            for part in staging.future:
+        """Wait for the read into ``staging``. A failed read (an I/O error, a file changed outside) is raised once:
+        every part is waited for first (none still writes into the buffer), and the buffer is emptied, so the next
+        wait (an unload's, say) does not raise it again and the ring stays usable."""
+        if staging.future is None:
+            return
+        parts, staging.future = staging.future, None
+        error = None
+        for part in parts:
+            try:
                 part.result()
-            staging.future = None
+            except BaseException as failure:  # noqa: BLE001 - re-raised below, after the other parts
+                error = error or failure
+        if error is not None:
+            staging.block = None  # its bytes are not the block's
+            raise error
 
     # ----------------------------------------------------------------- reads
     def _start(self, index: int, staging: _Staging) -> None:

@@ -149,3 +149,28 @@ def test_files_of_dead_processes_are_removed_and_partial_files_never_read(tmp_pa
     assert cache.path.endswith(".bin") and os.path.exists(cache.path)
     cache.close()
     assert not os.path.exists(cache.path)
+
+
+def test_a_failed_read_is_raised_once_and_leaves_the_tier_usable(tmp_path, sample_input, monkeypatch):
+    """An I/O error on a read reaches the forward that needed the block; the unload after it does not raise it
+    again (ComfyUI unloads outside its error handling: a second raise there stopped its prompt worker), and the
+    next forward reads the block again, bitwise."""
+    model, manager = offloaded(tmp_path, resident_layers=0, host_store="disk")
+    with torch.no_grad():
+        want = model(sample_input)
+    manager.release_all()
+    tier = manager.host.disk
+    real_read = tier.file.read_into
+    failures = [OSError(5, "Input/output error")]
+
+    def failing_read(buffer, offset):
+        if failures:
+            raise failures.pop()
+        return real_read(buffer, offset)
+    monkeypatch.setattr(tier.file, "read_into", failing_read)
+    with torch.no_grad(), pytest.raises(OSError, match="Input/output error"):
+        model(sample_input)
+    manager.release_all()  # what ComfyUI's unload runs: no second raise
+    tier.settle_reads()
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), want)
