@@ -198,6 +198,7 @@ def bench_copies(device: torch.device, num_blocks: int, block_bytes: int, repeat
             model(x)
             if cuda:
                 # Count the copies this forward queued ahead (the wrap-around prefetch) in its time too.
+                # Looks inside: the manager's copy stream, which a forward leaves running by design.
                 torch.cuda.current_stream(device).wait_stream(manager.backend.copy_stream)
 
         samples = {"plain_copy": [], "manager_forward": []}

@@ -34,7 +34,7 @@ from .bench_modes import Harness
 from ..devtools import peers
 from ..devtools.quantized_models import save_fp8_mixed, save_gguf
 from ..offload import choose_resident_blocks
-from ..offload.tensor_subclass import weight_nbytes
+from ..offload import weight_nbytes
 
 FORMATS = ("bf16", "fp8_mixed", "gguf_q4_0")
 FORMAT_COLUMNS = [

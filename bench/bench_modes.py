@@ -229,9 +229,9 @@ class Harness:
         intervals = self.config.steps - 1
         moved = after.bytes_copied - before.bytes_copied
         copy_s = after.copy_seconds - before.copy_seconds
-        if manager.schedule is not None:  # armed: the plan that ran
-            streamed = sum(self.block_nbytes[i] for i in manager.schedule.streamed_blocks)
-            resident = len(manager.schedule.resident_blocks)
+        if after.device_bytes:  # armed: the plan that ran
+            streamed = sum(n for n, tier in zip(self.block_nbytes, after.block_tiers) if tier != "resident")
+            resident = after.resident_blocks
         else:
             streamed = streamed_bytes(self.block_nbytes, resident, policy)
         row = self._base_row("layerwise_auto" if budget else "layerwise")

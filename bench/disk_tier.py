@@ -96,7 +96,7 @@ def checkpoint_blocks(blocks: nn.ModuleList, folder: str):
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
-    checkpoint = offload.checkpoint_file.CheckpointFile(path)
+    checkpoint = offload.CheckpointFile(path)
     blocks.load_state_dict(checkpoint.state_dict(), assign=True)
     return checkpoint, blocks
 
@@ -115,12 +115,11 @@ def main():
     blocks = nn.ModuleList(Block(args.dim) for _ in range(args.blocks))
     checkpoint = None
     if args.source == "checkpoint":
-        checkpoint, blocks = checkpoint_blocks(blocks, args.folder or offload.host_side.default_disk_folder())
+        checkpoint, blocks = checkpoint_blocks(blocks, args.folder or offload.default_disk_folder())
         before = anon_rss()
     x = torch.randn(1, 4, args.dim, device=args.device)
-    manager = offload.LayerwiseOffloadManager(list(blocks), args.device, resident_layers=0, host_store="disk")
-    if args.folder:
-        manager.host.disk_folder = args.folder
+    manager = offload.LayerwiseOffloadManager(list(blocks), args.device, resident_layers=0, host_store="disk",
+                                              environment=offload.HostEnvironment(disk_folder=args.folder))
     manager.attach()
     per_step, stalls = [], []
     with torch.no_grad():
@@ -134,8 +133,8 @@ def main():
             stalls.append(stats.disk_stall_seconds - stall)
     grown = anon_rss() - before
     stats = manager.stats()
-    disk = manager.host.disk
-    chunk = offload.disk_tier.CHUNK_BYTES
+    disk = manager.host.disk  # looks inside: the cache file's path, to time a plain read of the same file
+    chunk = offload.disk.tier.CHUNK_BYTES
     source_path = checkpoint.path if checkpoint is not None else disk.file.path
     plain = plain_direct_read(source_path, chunk)
     tier_gbps = stats.disk_bytes_read / stats.disk_read_seconds / 1e9 if stats.disk_read_seconds else 0.0

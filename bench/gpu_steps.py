@@ -97,7 +97,7 @@ def copy_seconds(nbytes: int, device: torch.device, kind: str = "registered", re
             dst.copy_(src)
             times.append(time.perf_counter() - t)
         return statistics.median(times)
-    from layerwise_offload.offload.pinning import CudaHostRegisterPinner
+    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
     pinner = CudaHostRegisterPinner()
     if kind == "pinned":
         src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -128,9 +128,9 @@ def copy_seconds(nbytes: int, device: torch.device, kind: str = "registered", re
 def resident_copy(nbytes: int, device: torch.device) -> dict:
     """A resident's copy as arming does it: pageable host memory through the page-locked bounce ring, queued on a
     copy stream; GB/s to the copy's end, the seconds the host was held, and register + unregister s per GiB."""
-    from layerwise_offload.offload.device_backend import StreamBackend
-    from layerwise_offload.offload.pinning import CudaHostRegisterPinner
-    from layerwise_offload.offload.resident_staging import bounce_for
+    from layerwise_offload.offload.device.backend import StreamBackend
+    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
+    from layerwise_offload.offload.device.resident_copy import bounce_for
     src = page_aligned_host(nbytes)
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -162,7 +162,7 @@ def resident_copy(nbytes: int, device: torch.device) -> dict:
 def preflight(args, tables, state) -> int:
     table = tables["preflight"]
     from layerwise_offload.bench import bench_engine
-    from layerwise_offload.offload.pinning import CudaHostRegisterPinner
+    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
     add = lambda name, value, unit="", note="": table.add(comfyui="none", name=name, value=value,  # noqa: E731
                                                           unit=unit, note=note)
@@ -184,7 +184,7 @@ def preflight(args, tables, state) -> int:
         try:
             resident = resident_copy(nbytes, device)
             add("h2d_gbps_resident_bounce", resident["gbps"], "GB/s", f"{nbytes} B pageable through the 2 x 32 MiB "
-                f"page-locked ring (offload/resident_staging.py), host blocked {resident['host_s']:.3f} s")
+                f"page-locked ring (offload/device/resident_copy.py), host blocked {resident['host_s']:.3f} s")
             add("register_s_per_gib", resident["register_s"], "s", "cudaHostRegister + Unregister of 1 GiB: what a "
                 "change of the streamed set pays per GiB of blocks whose membership changed")
         except Exception as error:  # noqa: BLE001 - a refused ring is a result
@@ -195,7 +195,7 @@ def preflight(args, tables, state) -> int:
         # A refused registration (the same pages twice) must leave no error behind for the next kernel launch.
         pinner, buf = CudaHostRegisterPinner(), page_aligned_host(1 << 20)
         first, second = pinner.register(buf), pinner.register(buf)
-        from layerwise_offload.offload.pinning import _runtime_last_error
+        from layerwise_offload.offload.host.pinning import _runtime_last_error
         reader = _runtime_last_error()  # torch's cudart bindings have no cudaGetLastError
         left = int(reader()) if reader is not None else "n/a: libcudart not reachable"
         try:

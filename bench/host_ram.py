@@ -55,17 +55,16 @@ def power_of_two(nbytes: int) -> int:
 
 def pinned_for(device: torch.device, dim: int, blocks: int, resident: int):
     model = toy.ToyTransformer(dim=dim, hidden=2 * dim, double=blocks // 2, single=blocks - blocks // 2)
+    environment = offload.HostEnvironment(**({} if device.type == "cuda" else {"pinner": RecordingPinner()}))
     manager = offload.LayerwiseOffloadManager(model.blocks_in_call_order(), device, pin_memory=True,
-                                              resident_layers=resident)
-    if device.type != "cuda":
-        manager.host.pinner = RecordingPinner()
+                                              resident_layers=resident, environment=environment)
     manager.prepare()
     sizes = manager.block_nbytes()
     streamed = sum(sizes[resident:])
     stats = manager.stats(synchronize=False)
     result = dict(sizes=sizes, streamed=streamed, requested=stats.host_bytes_requested,
                   pinned=stats.host_bytes_pinned, store=stats.host_bytes)
-    ledger = manager.store.ledger
+    ledger = manager.store.ledger  # looks inside: the pin ledger outlives the store, and shows detach unpinned all
     manager.detach()
     result["pinned_after_detach"] = ledger.bytes_pinned
     return result

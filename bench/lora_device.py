@@ -93,9 +93,9 @@ def main() -> None:
             offloaded = offload_model(with_lora(model) if way != "none" else model, 0, 1, "leading", False)
             out = sample(offloaded)  # warm-up: packs the host store
             manager = offloaded.attachments["layerwise_offload"].manager
-            if manager.copier.transform is not None:
+            if manager.after_copy is not None:
                 transform_seconds[0] = 0.0
-                manager.copier.transform = timed(manager.copier.transform, args.device, transform_seconds)
+                manager.set_after_copy(timed(manager.after_copy, args.device, transform_seconds))
             copies_before, copy_seconds_before = manager.stats().copies_issued, manager.stats().copy_seconds
             for _ in range(args.repeats):
                 before = manager.stats().forwards
@@ -110,7 +110,7 @@ def main() -> None:
             equal = torch.equal(out, reference) if way != "none" else None
             after = manager.stats()
             copies[way] = (after.copies_issued - copies_before, after.copy_seconds - copy_seconds_before)
-            rows[way] = (min(times[way]) / args.steps, forwards, manager.store.nbytes(), equal)
+            rows[way] = (min(times[way]) / args.steps, forwards, after.host_bytes, equal)
             del offloaded, model, manager
             mm.unload_all_models()
     controller_module.device_patch_plan = device_plan

@@ -92,7 +92,7 @@ def wan14b_block_parts(fmt: str):
 def wan14b_rows():
     import torch
     from torch import nn
-    from layerwise_offload.offload.host_store import plan_layout
+    from layerwise_offload.offload.host.packing import plan_layout
 
     rows = []
     for fmt in FORMATS:

@@ -422,7 +422,7 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
         "(a host sync at the end of every step).",
         f"- LoRA rows: every linear weight patched on the device with ComfyUI's float32 math, "
         f"{LORA_BYTES_PER_WEIGHT} bytes of device-memory traffic per weight, on a stream of its own after the copy (as "
-        "offload/device_backend.py queues it); it takes no SM time from the compute stream (optimistic).",
+        "offload/device/backend.py queues it); it takes no SM time from the compute stream (optimistic).",
         "- Not modelled: arming (the residents' first copies), PCIe contention with other traffic, clocks, the "
         "launch queue's depth, kernels' warm-up.",
         "",

@@ -19,12 +19,13 @@ from torch import nn
 
 import comfy.model_management
 
-from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, activation_words, available_host_bytes,
-                       block_width, choose_resident_blocks, cuda_graph_refusal, describe, format_bytes,
-                       forward_activation_bytes, largest_fitting, normalize_device, plan_residency, point_param_at,
-                       recommend, resolve_resident_count, return_freed_host_memory, weight_nbytes)
+from ..offload import (HostEnvironment, LayerwiseOffloadManager, OffloadConfig, Schedule, available_host_bytes, block_width,
+                       choose_resident_blocks, cuda_graph_refusal, describe, format_bytes, forward_activation_bytes,
+                       largest_fitting, normalize_device, plan_residency, point_param_at, resolve_resident_count,
+                       return_freed_host_memory, weight_nbytes)
+from .advice import activation_words, recommend
 from .discovery import DiscoveredBlocks
-from .host_ram import compact_backups, comfyui_pin_cap_left, comfyui_pinner, packing_progress_bar
+from .host_ram import compact_backups, comfyui_disk_folder, comfyui_pin_cap_left, comfyui_pinner, packing_progress_bar
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
 from .load_decisions import apply_cast_decisions, comfyui_load_decisions
 from .run_report import run_report
@@ -44,7 +45,7 @@ def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, dev
     if manager is None or manager.device != normalize_device(torch.device(device)):
         if manager is not None:
             manager.detach()
-        manager = LayerwiseOffloadManager(discovered.blocks, device, config)
+        manager = LayerwiseOffloadManager(discovered.blocks, device, config, comfyui_host_environment())
         _MANAGERS[diffusion_model] = manager
     return manager
 
@@ -54,6 +55,13 @@ def comfyui_pinned_memory_cap(own_pinned_bytes: int = 0) -> Optional[int]:
     if comfy.model_management.is_device_cpu(comfy.model_management.get_torch_device()):
         return None
     return comfyui_pin_cap_left(own_pinned_bytes)
+
+
+def comfyui_host_environment() -> HostEnvironment:
+    """The host as ComfyUI runs it: its pinner and pinned-memory cap, its temp folder for the disk tier."""
+    pinner = comfyui_pinner()
+    return HostEnvironment(pin_cap=comfyui_pinned_memory_cap, disk_folder=comfyui_disk_folder(),
+                           **({} if pinner is None else {"pinner": pinner}))
 
 
 def _gib(nbytes: int) -> str:
@@ -121,10 +129,7 @@ class OffloadController:
     def host_ram_bytes(self) -> int:
         """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
         host = sum(t.nelement() * t.element_size() for t in self._non_block_tensors() if t.device.type == "cpu")
-        disk = self.manager.host.disk  # blocks in the disk tier's file hold only its staging ring in RAM
-        staging = disk.ring_bytes if disk is not None else 0
-        tiers = self.manager.host.tiers()
-        return host + staging + sum(n for n, t in zip(self.manager.block_nbytes(), tiers) if t == "ram")
+        return host + self.manager.host_ram_bytes()
 
     def loaded_bytes(self) -> int:
         on_device = sum(weight_nbytes(t) for t in self._non_block_tensors()
@@ -164,22 +169,23 @@ class OffloadController:
                                  skip={key for p in plan.values() for _, key, _ in p})
         changed = self.manager.prepare(progress=packing_progress_bar())
         if changed:
-            log.info("[layerwise-offload] host store: %d blocks packed (%s, %s pinned)", len(changed),
-                     _gib(self.manager.store.nbytes()), _gib(self.manager.store.pinned_nbytes()))
+            stats = self.manager.stats(synchronize=False)
+            log.info("[layerwise-offload] host store: %d blocks packed (%s in RAM, %s pinned)", len(changed),
+                     _gib(stats.host_bytes), _gib(stats.pinned_host_bytes))
         self._patch_on_device(patcher, device_to, plan)
 
     def _patch_on_device(self, patcher, device_to, plan) -> None:
         # The manager is shared by every output of this model: another output may have set its own LoRA.
         keys = tuple((index, tuple(key for _, key, _ in patches)) for index, patches in plan.items())
         signature = (patcher.patches_uuid, str(device_to), keys)
-        if plan and getattr(self.manager.copier.transform, "signature", None) != signature:
+        if plan and getattr(self.manager.after_copy, "signature", None) != signature:
             self.manager.set_after_copy(DeviceLora(plan, device_to, signature))
             log.info("[layerwise-offload] LoRA over %d block weights applied on the device as blocks are copied in",
                      sum(len(p) for p in plan.values()))
         elif not plan:
             self.manager.set_after_copy(None)
         self._device_plan = plan
-        point_backups_at_store(patcher, plan, self.manager.store)
+        point_backups_at_store(patcher, plan, self.manager)
 
     def put_non_block_weights(self, patcher, device_to, decisions=None) -> None:
         """The non-block weights to ``device_to``; on the compute device with the patches ComfyUI's load applies."""
@@ -220,8 +226,7 @@ class OffloadController:
         for index in sorted(pending):
             for key in pending[index]:
                 patcher.patch_weight_to_device(key, device_to)
-            if self.manager.store is not None:
-                compact_backups(patcher, pending[index], self.manager.store.buffers)
+            compact_backups(patcher, pending[index], self.manager.host_buffers())
             self.manager.repack_block(index)
         if pending:
             log.info("[layerwise-offload] baked LoRA patches into %d blocks", len(pending))
@@ -243,8 +248,7 @@ class OffloadController:
         self.resident_cap = count if count < wanted else None
 
     def release_device_memory(self) -> None:
-        self.manager.release_all()
-        self.manager.hooks.remove()  # installed again by the next load's first forward, then kept for its forwards
+        self.manager.unload()  # the hooks are installed again by the next load's first forward
 
     def free_device_memory(self, nbytes: int) -> int:
         """ComfyUI asks for ``nbytes`` back: demote residents from the tail until the plan is that
@@ -310,14 +314,10 @@ class OffloadController:
             raise RuntimeError(refusal)
         # Allocate before ComfyUI runs the model: newer ComfyUI may record a forward's allocations (its
         # model compiler, malloc_graph), and our buffers outlive every forward.
-        self.manager.arm()
-        self.manager.attach()  # once per model (offload/hooks.py: re-adding them would recompile every forward)
-        self.manager.hooks.active = True
         try:
-            with self.manager.hooks.forward_scope():
+            with self.manager.running():
                 yield
         finally:
-            self.manager.hooks.active = False
             self.base_model.model_loaded_weight_memory = self.loaded_bytes()
 
     def rebound(self, patcher) -> "OffloadController":
@@ -341,17 +341,12 @@ class OffloadController:
         """This model's manager for ``device`` (shared by every output of the model), with ComfyUI's pinning."""
         self.manager = shared_manager(self.diffusion_model, self.discovered, device, self.config)
         self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
-        self.manager.host.pin_cap_bytes = comfyui_pinned_memory_cap()
-        self.manager.host.pinner = comfyui_pinner() or self.manager.host.pinner
 
     def begin_run(self, patcher) -> None:
         self.manager.reset_peaks()
-        # Other models pin and unpin between runs: what is left of ComfyUI's cap is read again each run.
-        store = self.manager.store
-        self.manager.host.pin_cap_bytes = comfyui_pinned_memory_cap(store.pinned_nbytes() if store is not None else 0)
         if self.manager.prepare():
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
-            point_backups_at_store(patcher, self._device_plan, self.manager.store)
+            point_backups_at_store(patcher, self._device_plan, self.manager)
         self._auto_planned_this_run = False
         self.run_steps = 0  # the sampler's step count, from the first forward's schedule (note_steps)
         self._run_start = (time.perf_counter(), self.manager.stats(synchronize=False))
@@ -367,7 +362,7 @@ class OffloadController:
             return None
         started, before = self._run_start
         self._run_start = None
-        if self.manager.copier.transform is not None and self.device.type == "cpu":
+        if self.manager.after_copy is not None and self.device.type == "cpu":
             # CPU loopback: the device-side LoRA's scratch tensors were host memory; glibc keeps them otherwise.
             return_freed_host_memory()
         after = self.manager.stats()
@@ -377,8 +372,8 @@ class OffloadController:
         report = run_report(self, before, after, forwards, time.perf_counter() - started)
         self.last_report = report
         sizes = self.manager.block_nbytes()
-        resident = self.manager.schedule.resident_blocks if self.manager.schedule else ()
-        self.last_recommendation = recommend(report, [sizes[i] for i in resident])
+        self.last_recommendation = recommend(report, [n for n, tier in zip(sizes, after.block_tiers)
+                                                      if tier == "resident"])
         line = f"[layerwise-offload] run: {report.figures()}; {self.last_recommendation}"
         log.info(line)
         return line

@@ -140,10 +140,10 @@ def scratch_bytes(blocks: Sequence[torch.nn.Module], plan: Dict[int, List[Device
     return 3 * 4 * largest + patches_on_device(plan, torch.device("meta"))[1]
 
 
-def point_backups_at_store(patcher, plan: Dict[int, List[DevicePatch]], store) -> None:
+def point_backups_at_store(patcher, plan: Dict[int, List[DevicePatch]], manager) -> None:
     """ComfyUI's backup of each device-patched weight is its original in the host store (a view, no copy);
     re-pointed after a repack, so a backup never keeps an old host buffer alive."""
     for index, patches in plan.items():
-        views = store.weight_views(index)
+        views = manager.host_weight_views(index)
         for position, key, _ in patches:
             patcher.backup[key] = Backup(views[position], False)

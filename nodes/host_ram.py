@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Iterable, Optional
 
 import torch
@@ -38,6 +39,13 @@ class ComfyUIPinner:
 def _as_parameter(tensor: torch.Tensor) -> nn.Parameter:
     with torch.inference_mode(tensor.is_inference()):
         return nn.Parameter(tensor, requires_grad=False)
+
+
+def comfyui_disk_folder() -> str:
+    """The disk tier's folder unless $LAYERWISE_OFFLOAD_DISK_DIR names one: ComfyUI's temp folder (on the install's
+    disk; ComfyUI empties it at start and exit, so a killed server's file does not outlive the next start)."""
+    import folder_paths
+    return os.path.join(folder_paths.get_temp_directory(), "layerwise-offload")
 
 
 def comfyui_pinner() -> Optional[ComfyUIPinner]:

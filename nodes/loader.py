@@ -3,7 +3,7 @@
 ComfyUI's UNETLoader reads the whole file into anonymous RAM (0.3.75 copies every tensor into the model's freshly
 allocated parameters), so a DiT bigger than RAM cannot even load. This node hands ComfyUI's
 ``load_diffusion_model_state_dict`` a state dict of zero-copy views over a read-only private mapping of the file
-(offload/checkpoint_file.py). ComfyUI detects the model, picks dtypes and operations and builds its own model
+(offload/disk/checkpoint.py). ComfyUI detects the model, picks dtypes and operations and builds its own model
 class as always; its parameters are allocated but never written (untouched pages cost no RAM). Only the copy
 step changes, and only while this node calls ComfyUI: where ComfyUI's default parameter loading would copy a
 mapped tensor into a parameter of the same dtype and shape, the parameter becomes that tensor instead. A weight

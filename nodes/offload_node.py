@@ -76,10 +76,6 @@ def offload_stats(model, after_connected: bool = True):
     return stats_view(model, after_connected)
 
 
-def offload_stats_text(model, after_connected: bool = True) -> str:
-    return offload_stats(model, after_connected)[0]
-
-
 def stats_ui(model, after_connected: bool):
     """The Stats node's UI output (the text, as core's Preview Any sends it, and the picture data) and its text."""
     from .stats_view import UI_KEY
@@ -101,16 +97,6 @@ def host_store_problem(value) -> "str | None":
     if value is None or value in HOST_STORES:
         return None
     return f"host_store must be one of {', '.join(map(repr, HOST_STORES))}, got {value!r}"
-
-
-def disk_folder() -> str:
-    """The disk tier's folder: $LAYERWISE_OFFLOAD_DISK_DIR, else ComfyUI's temp folder (on the install's disk;
-    ComfyUI empties it at start and exit, so a killed server's file does not outlive the next start)."""
-    chosen = os.environ.get(DISK_DIR_ENV)
-    if chosen:
-        return chosen
-    import folder_paths
-    return os.path.join(folder_paths.get_temp_directory(), "layerwise-offload")
 
 
 def remove_stale_disk_files() -> int:
@@ -142,11 +128,10 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     diffusion_model = model.get_model_object("diffusion_model")
     discovered = discover_blocks(diffusion_model)
     controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto)
-    controller.manager.host.disk_folder = disk_folder()
-    # Planned under this output's host_store: the shared manager may still hold another output's settings.
-    refusal = controller.manager.host.shortfall(
+    # Planned under this output's settings: the shared manager may still hold another output's.
+    refusal = controller.manager.shortfall(controller.config, (
         f"{DISPLAY_NAME}: resident_layers={-1 if auto else resident_layers}, prefetch_size={prefetch_size}, "
-        f"residency_policy={residency_policy}, pin_memory={pin_memory}, host_store={host_store}", host_store)
+        f"residency_policy={residency_policy}, pin_memory={pin_memory}, host_store={host_store}"))
     if refusal is not None:  # here, so ComfyUI reports it against this node and its settings, not the sampler
         raise MemoryError(refusal)
     log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, %s, host_store=%s",
@@ -171,5 +156,5 @@ def passed_through(model, support):
     return clone
 
 
-__all__ = ["offload_model", "offload_stats", "offload_stats_text", "stats_ui", "residency_policy_problem", "host_store_problem", "HOST_STORES", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
+__all__ = ["offload_model", "offload_stats", "stats_ui", "residency_policy_problem", "host_store_problem", "HOST_STORES", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
            "POLICIES", "CPU_LOOPBACK_ENV"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..offload import RunReport, block_tiers, slot_count
+from .advice import RunReport, block_tiers
 
 
 def run_report(controller, before, after, forwards: int, run_seconds: float) -> RunReport:
@@ -15,10 +15,10 @@ def run_report(controller, before, after, forwards: int, run_seconds: float) -> 
         copy_seconds=after.copy_seconds - before.copy_seconds,
         stall_seconds=after.stall_seconds - before.stall_seconds,
         run_seconds=run_seconds, peak_device_bytes=after.peak_device_bytes,
-        pinned_host_bytes=after.pinned_host_bytes, asynchronous=manager.backend.asynchronous,
+        pinned_host_bytes=after.pinned_host_bytes, asynchronous=after.asynchronous,
         host_bytes=after.host_bytes, pin_requested_bytes=after.host_bytes_requested,
         steps=getattr(controller, "run_steps", 0), prefetch_size=manager.config.prefetch_size,
-        block_tiers=block_tiers(manager), slot_count=slot_count(manager),
+        block_tiers=block_tiers(after), slot_count=after.slot_count,
         demand_copies=after.demand_copies - before.demand_copies, device_type=controller.device.type,
         other_device_bytes=controller.loaded_bytes() - after.device_bytes, host_ram_bytes=controller.host_ram_bytes(),
         disk_blocks=after.disk_blocks, disk_checkpoint_blocks=after.disk_checkpoint_blocks,

@@ -12,7 +12,8 @@ from typing import Optional, Tuple
 
 import comfy.model_management
 
-from ..offload import TIER_WORDS, activation_words, format_bytes, seconds
+from ..offload import format_bytes
+from .advice import TIER_WORDS, activation_words, seconds
 
 UI_KEY = "layerwise_offload"
 PASSTHROUGH_ATTACHMENT = "layerwise_offload_passed_through"

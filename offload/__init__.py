@@ -5,27 +5,27 @@ with a prefetch window on a side stream. Nothing here imports ComfyUI.
 """
 
 from .activation_model import block_width
-from .advice import TIER_WORDS, RunReport, activation_words, block_tiers, recommend, seconds, slot_count
-from .checkpoint_file import CheckpointError, CheckpointFile, locate
+from .disk.checkpoint import CheckpointError, CheckpointFile, locate
 from .config import HOST_STORES, POLICIES, OffloadConfig, resolve_resident_count
-from .device_backend import normalize_device
-from .disk_file import disk_tier_unsupported, remove_stale_files
+from .device.backend import normalize_device
+from .disk.cache_file import disk_tier_unsupported, remove_stale_files
 from .hooks import cuda_graph_refusal
-from .host_memory import available_host_bytes
-from .host_side import DISK_DIR_ENV
-from .host_store import block_parameters
+from .host.ram import available_host_bytes
+from .host.side import DISK_DIR_ENV, HostEnvironment, default_disk_folder
+from .host.packing import block_parameters
 from .manager import LayerwiseOffloadManager
-from .pinning import clear_cuda_error, return_freed_host_memory
+from .host.pinning import clear_cuda_error, return_freed_host_memory
 from .planner import (ResidencyPlan, describe, estimate_activation_bytes, format_bytes, forward_activation_bytes,
                       plan_residency)
 from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
 from .stats import OffloadStats
-from .tensor_subclass import point_param_at, weight_nbytes, weight_parts
+from .blocks.weights import point_param_at, weight_nbytes, weight_parts
 
 __all__ = [
     "DISK_DIR_ENV",
     "Footprint",
     "HOST_STORES",
+    "HostEnvironment",
     "POLICIES",
     "CheckpointError",
     "CheckpointFile",
@@ -33,18 +33,15 @@ __all__ = [
     "OffloadConfig",
     "OffloadStats",
     "ResidencyPlan",
-    "RunReport",
     "Schedule",
-    "TIER_WORDS",
-    "activation_words",
     "apply_layerwise_offload",
     "available_host_bytes",
     "block_parameters",
-    "block_tiers",
     "block_width",
     "choose_resident_blocks",
     "clear_cuda_error",
     "cuda_graph_refusal",
+    "default_disk_folder",
     "describe",
     "disk_tier_unsupported",
     "estimate_activation_bytes",
@@ -56,22 +53,19 @@ __all__ = [
     "normalize_device",
     "plan_residency",
     "point_param_at",
-    "recommend",
     "remove_stale_files",
     "resolve_resident_count",
     "return_freed_host_memory",
-    "seconds",
-    "slot_count",
     "weight_nbytes",
     "weight_parts",
 ]
 
 
-def apply_layerwise_offload(blocks, device, root=None, **settings) -> LayerwiseOffloadManager:
+def apply_layerwise_offload(blocks, device, root=None, environment=None, **settings) -> LayerwiseOffloadManager:
     """Offload ``blocks`` (in call order) for compute on ``device`` and install the hooks.
 
     Weights move into the host store at the first forward, not here, so building a pipeline never
     holds device memory other stages need. ``settings`` are :class:`OffloadConfig` fields.
     Call ``detach()`` on the returned manager to undo.
     """
-    return LayerwiseOffloadManager(blocks, device, OffloadConfig(**settings)).attach(root)
+    return LayerwiseOffloadManager(blocks, device, OffloadConfig(**settings), environment).attach(root)

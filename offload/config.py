@@ -64,7 +64,7 @@ class OffloadConfig:
         module a valid, partly offloaded model for code that runs it without the hooks, such as
         ComfyUI loading a sibling clone of the same model.
     host_store: where the blocks' host copies live. ``ram`` (the host store); ``disk`` (a packed cache file,
-        read back ahead of use through a small staging ring, see disk_tier.py); ``auto`` keeps them in RAM while
+        read back ahead of use through a small staging ring, see disk/tier.py); ``auto`` keeps them in RAM while
         the host keeps a margin free and puts the rest on disk, the blocks latest in the step first.
     """
 

@@ -9,7 +9,7 @@ from typing import List, Optional, Sequence
 import torch
 from torch import nn
 
-_compiler_disable = torch.compiler.disable
+compiler_disable = torch.compiler.disable
 
 
 def cuda_graph_refusal(compile_kwargs: Optional[dict]) -> Optional[str]:
@@ -98,12 +98,12 @@ class BlockHooks:
             self._post_block(driver, index)
         return post_hook
 
-    @_compiler_disable
+    @compiler_disable
     def _pre_block(self, driver, index: int) -> None:
         if self.active:
             driver.before_block(index)
 
-    @_compiler_disable
+    @compiler_disable
     def _post_block(self, driver, index: int) -> None:
         if self.active:
             driver.after_block(index)

@@ -9,26 +9,27 @@ streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copie
 from __future__ import annotations
 
 import dataclasses
+import weakref
+from contextlib import contextmanager
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
 from torch import nn
 
-from .block_checks import move_block_buffers
-from .block_copier import BlockCopier, BlockTransform
-from .block_params import BlockParameters
-from .block_states import BlockStates
+from .blocks.checks import move_block_buffers
+from .device.copier import BlockCopier, BlockTransform
+from .blocks.params import BlockParameters
+from .blocks.states import BlockStates
 from .call_order import CallTracker
 from .config import OffloadConfig, resolve_resident_count
-from .device_backend import make_backend, normalize_device
-from .device_memory import DeviceMemory
-from .hooks import BlockHooks
-from .host_side import HostSide
-from .host_store import HostStore, plan_layout
+from .device.backend import make_backend, normalize_device
+from .device.memory import DeviceMemory
+from .hooks import BlockHooks, compiler_disable
+from .host.side import HostEnvironment, HostSide
+from .host.packing import HostStore, plan_layout
 from .schedule import Schedule, choose_resident_blocks
-from .stats import Counters, OffloadStats, snapshot
+from .stats import Counters, OffloadStats
 
-_compiler_disable = torch.compiler.disable
 
 
 class LayerwiseOffloadManager:
@@ -38,7 +39,10 @@ class LayerwiseOffloadManager:
         blocks: the transformer blocks, several lists joined in the order the model runs them; residency
             follows this order, prefetch the order each forward really ran (see call_order.py).
         device: the compute device. ``cpu`` runs the same code path synchronously (CPU loopback).
-        config: an :class:`OffloadConfig`; keyword arguments override its fields.
+        config: an :class:`OffloadConfig`; keyword arguments override its fields. The manager is its only
+            holder: :meth:`replan` changes it.
+        environment: what the machine provides (:class:`HostEnvironment`: pinner, pin cap, free-RAM probe, disk
+            folder), fixed for the manager's life; by default the device's pinner and the OS's figures.
 
     Lifecycle: ``attach()`` installs the hooks; the first block forward arms the plan (host store,
     device slots, resident copies); ``release_all()`` returns every device byte; ``replan()``
@@ -51,7 +55,7 @@ class LayerwiseOffloadManager:
     """
 
     def __init__(self, blocks: Sequence[nn.Module], device, config: Optional[OffloadConfig] = None,
-                 **overrides):
+                 environment: Optional[HostEnvironment] = None, **overrides):
         self.blocks: List[nn.Module] = list(blocks)
         if not self.blocks:
             raise ValueError("LayerwiseOffloadManager needs at least one block to manage")
@@ -59,7 +63,11 @@ class LayerwiseOffloadManager:
             raise ValueError("the same module appears twice in the block list; pass each block once")
         self.device = normalize_device(torch.device(device))
         self.host_device = torch.device("cpu")
-        self.host = HostSide(self.blocks, self.device, dataclasses.replace(config or OffloadConfig(), **overrides))
+        self.config: OffloadConfig = dataclasses.replace(config or OffloadConfig(), **overrides)
+        # Read through a weak reference: no part may point back at the manager, which ComfyUI frees by reference
+        # count alone (tests/unit/test_host_side.py).
+        this = weakref.ref(self)
+        self.host = HostSide(self.blocks, self.device, lambda: this().config, environment)
         self.params = BlockParameters(self.blocks)
         self.backend = make_backend(self.device, self.config.measure_time)
         self.device_memory = DeviceMemory(self.device, self.num_blocks)
@@ -73,14 +81,6 @@ class LayerwiseOffloadManager:
         self._release_after_forward = False
 
     # ----------------------------------------------------------------- state
-    @property
-    def config(self) -> OffloadConfig:
-        return self.host.config
-
-    @config.setter
-    def config(self, config: OffloadConfig) -> None:
-        self.host.config = config
-
     @property
     def store(self) -> Optional[HostStore]:
         return self.host.store
@@ -131,14 +131,14 @@ class LayerwiseOffloadManager:
         self.hooks.attach(root)
         return self
 
-    @_compiler_disable
+    @compiler_disable
     def begin_forward(self) -> None:
         self.counters.begin_forward()
         self.backend.settle(block=False)
         self.copier.retire_bounce()
         self.calls.begin()
 
-    @_compiler_disable
+    @compiler_disable
     def end_forward(self, completed: bool = True) -> None:
         """Close a forward: learn its call order, and keep what it prefetched out of outside code's reach.
 
@@ -157,7 +157,7 @@ class LayerwiseOffloadManager:
             self.release_all()
 
     # ----------------------------------------------------------------- the step
-    @_compiler_disable
+    @compiler_disable
     def before_block(self, index: int) -> None:
         if not self.armed:
             self.arm()
@@ -175,7 +175,7 @@ class LayerwiseOffloadManager:
         states.running[index] += 1
         self._prefetch_after(index, pageable=False)
 
-    @_compiler_disable
+    @compiler_disable
     def after_block(self, index: int) -> None:
         if self.schedule is not None:
             self._prefetch_after(index, pageable=True)
@@ -216,7 +216,7 @@ class LayerwiseOffloadManager:
         count = self.resident_count()
         return Schedule(choose_resident_blocks(self.num_blocks, count, self.config.policy))
 
-    @_compiler_disable
+    @compiler_disable
     def arm(self) -> None:
         """Allocate the plan's device memory and queue the resident copies (by the first forward).
         All is allocated before the plan is published: out of memory leaves it unarmed, holding nothing."""
@@ -293,25 +293,7 @@ class LayerwiseOffloadManager:
         self.device_memory.give_back(index, self.backend.mark_compute)
 
     # ----------------------------------------------------------------- public release
-    @_compiler_disable
-    def release_layer(self, index: int, force: bool = False) -> bool:
-        """Release one block. Residents stay unless ``force``; a forced resident gives its buffer back.
-
-        Returns whether the block was released.
-        """
-        if not 0 <= index < self.num_blocks:
-            raise IndexError(f"block index {index} is outside 0..{self.num_blocks - 1}")
-        if not self.states.materialized[index]:
-            return False
-        if self.schedule is not None and self.schedule.resident[index] and not force:
-            return False
-        self._release(index)
-        if self.device_memory.drop_resident(index):
-            self.backend.synchronize()
-            self.params.drop_views(index, "resident")
-        return True
-
-    @_compiler_disable
+    @compiler_disable
     def release_all(self) -> None:
         """Release every block, residents included, and free every device byte the manager holds.
 
@@ -348,7 +330,7 @@ class LayerwiseOffloadManager:
         self.release_all()
         self.config = config
 
-    @_compiler_disable
+    @compiler_disable
     def detach(self, device=None) -> None:
         """Give the blocks back as ordinary parameters on ``device`` (the host by default).
 
@@ -364,9 +346,94 @@ class LayerwiseOffloadManager:
         move_block_buffers(self.blocks, target)
 
     def stats(self, synchronize: bool = True) -> OffloadStats:
-        """A snapshot of the counters; ``synchronize`` waits for pending copy timings first."""
+        """A snapshot of the counters and the plan (the armed one, else the one the next forward arms);
+        ``synchronize`` waits for pending copy timings first."""
         self.backend.settle(block=synchronize)
-        return snapshot(self, self.schedule or self._make_schedule())
+        schedule = self.schedule or self._make_schedule()
+        counts, store, disk = self.counters, self.store, self.host.disk
+        checkpoint_bytes = disk.checkpoint_bytes() if disk is not None else 0
+        disk_bytes = disk.nbytes() if disk is not None else 0
+        sizes = self.block_nbytes()
+        host_tiers = self.host.tiers()
+        return OffloadStats(
+            num_blocks=self.num_blocks,
+            resident_blocks=len(schedule.resident_blocks),
+            streamed_blocks=len(schedule.streamed_blocks),
+            forwards=counts.forwards,
+            bytes_copied=counts.bytes_copied,
+            copies_issued=counts.copies_issued,
+            demand_copies=counts.demand_copies,
+            bytes_copied_last_forward=counts.last_forward_bytes,
+            copies_last_forward=counts.last_forward_copies,
+            materialized_blocks=len(self.materialized_blocks()),
+            peak_materialized_blocks=counts.peak_materialized,
+            resident_bytes=self.device_memory.resident_bytes(),
+            device_bytes=self.device_bytes(),
+            peak_device_bytes=counts.peak_device_bytes,
+            planned_device_bytes=schedule.device_bytes(sizes, self.config.prefetch_size),
+            host_bytes=store.nbytes() - (disk_bytes - checkpoint_bytes) if store is not None else 0,
+            pinned_host_bytes=store.pinned_nbytes() if store is not None else 0,
+            host_bytes_requested=store.ledger.bytes_requested if store is not None else 0,
+            host_bytes_pinned=store.ledger.bytes_pinned if store is not None else 0,
+            copy_seconds=self.backend.copy_seconds,
+            stall_seconds=self.backend.stall_seconds,
+            disk_blocks=len(disk.regions) if disk is not None else 0,
+            disk_bytes=disk_bytes,
+            disk_bytes_read=disk.bytes_read if disk is not None else 0,
+            disk_reads=disk.reads if disk is not None else 0,
+            disk_read_seconds=disk.read_seconds if disk is not None else 0.0,
+            disk_stall_seconds=disk.stall_seconds if disk is not None else 0.0,
+            staging_bytes=disk.ring_bytes if disk is not None else 0,
+            disk_checkpoint_blocks=len(disk.extents) if disk is not None else 0,
+            block_tiers=tuple("resident" if schedule.resident[i] else host_tiers[i] for i in range(self.num_blocks)),
+            slot_count=schedule.footprint(sizes, self.config.prefetch_size).slot_count,
+            asynchronous=self.backend.asynchronous,
+        )
+
+    def host_ram_bytes(self) -> int:
+        """Host RAM the blocks hold: each block in the RAM tier (packed, or not yet), and the disk tier's
+        staging ring (a block in the disk tier holds nothing else)."""
+        disk = self.host.disk
+        staging = disk.ring_bytes if disk is not None else 0
+        return staging + sum(n for n, tier in zip(self.block_nbytes(), self.host.tiers()) if tier == "ram")
+
+    def shortfall(self, config: Optional[OffloadConfig] = None, settings: Optional[str] = None) -> Optional[str]:
+        """Why packing the blocks not in the host store yet would fail for want of host memory, or None (see
+        :meth:`HostSide.shortfall`). ``config``: plan under that caller's settings instead of the manager's (a
+        manager may be shared, and still hold another caller's); ``settings`` names them in the message."""
+        return self.host.shortfall(settings, (config or self.config).host_store)
+
+    @property
+    def after_copy(self) -> Optional[BlockTransform]:
+        """The transform applied to each block copied in (:meth:`set_after_copy`), or None."""
+        return self.copier.transform
+
+    def host_buffers(self) -> List[Optional[torch.Tensor]]:
+        """Each block's host buffer (None before it is packed); a disk block's is its file's placeholder."""
+        return list(self.store.buffers) if self.store is not None else []
+
+    def host_weight_views(self, index: int) -> List[torch.Tensor]:
+        """Block ``index``'s weights as views of its host copy, in the order of its parameters."""
+        return self.store.weight_views(index)
+
+    @contextmanager
+    def running(self):
+        """One model call under the plan, for a caller that installs no forward-scope hooks (``attach()`` without
+        a root): armed first (every device byte allocated before the model runs, so a recorder of the call's
+        allocations never sees ours), the block hooks installed and active, the call counted as one forward."""
+        self.arm()
+        self.attach()
+        self.hooks.active = True
+        try:
+            with self.hooks.forward_scope():
+                yield self
+        finally:
+            self.hooks.active = False
+
+    def unload(self) -> None:
+        """Release every device byte and remove the hooks (the next :meth:`running` installs them again)."""
+        self.release_all()
+        self.hooks.remove()
 
     # ----------------------------------------------------------------- the host copies
     def prepare(self, progress: Optional[Callable[[int, int], None]] = None) -> List[int]:

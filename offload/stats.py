@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
+from typing import Tuple
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,13 @@ class OffloadStats:
     staging_bytes: int = 0  # the disk tier's staging ring (host RAM)
     disk_checkpoint_blocks: int = 0  # disk blocks read straight from the safetensors checkpoint (no cache file)
 
+    block_tiers: Tuple[str, ...] = ()  # per block: "resident", or the host tier it streams from ("ram", "disk")
+    slot_count: int = 0  # streaming slots the plan holds on the device
+    asynchronous: bool = False  # copies overlap compute (a side stream), not the CPU loopback's synchronous copies
+
     @property
     def achieved_gbps(self) -> float:
         return self.bytes_copied / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        data = asdict(self)
-        data["achieved_gbps"] = self.achieved_gbps
-        return data
 
 
 class Counters:
@@ -79,42 +79,3 @@ class Counters:
         """Raise the peaks to what is held now (``reset``: start them again from it)."""
         self.peak_materialized = materialized if reset else max(self.peak_materialized, materialized)
         self.peak_device_bytes = device_bytes if reset else max(self.peak_device_bytes, device_bytes)
-
-
-def snapshot(manager, schedule) -> OffloadStats:
-    """The counters of ``manager`` under ``schedule`` (its current plan) as one frozen record."""
-    m, counts, store = manager, manager.counters, manager.store
-    disk = m.host.disk
-    checkpoint_bytes = disk.checkpoint_bytes() if disk is not None else 0
-    disk_bytes = disk.nbytes() if disk is not None else 0
-    return OffloadStats(
-        num_blocks=m.num_blocks,
-        resident_blocks=len(schedule.resident_blocks),
-        streamed_blocks=len(schedule.streamed_blocks),
-        forwards=counts.forwards,
-        bytes_copied=counts.bytes_copied,
-        copies_issued=counts.copies_issued,
-        demand_copies=counts.demand_copies,
-        bytes_copied_last_forward=counts.last_forward_bytes,
-        copies_last_forward=counts.last_forward_copies,
-        materialized_blocks=len(m.materialized_blocks()),
-        peak_materialized_blocks=counts.peak_materialized,
-        resident_bytes=m.device_memory.resident_bytes(),
-        device_bytes=m.device_bytes(),
-        peak_device_bytes=counts.peak_device_bytes,
-        planned_device_bytes=m.planned_device_bytes(schedule),
-        host_bytes=store.nbytes() - (disk_bytes - checkpoint_bytes) if store is not None else 0,
-        pinned_host_bytes=store.pinned_nbytes() if store is not None else 0,
-        host_bytes_requested=store.ledger.bytes_requested if store is not None else 0,
-        host_bytes_pinned=store.ledger.bytes_pinned if store is not None else 0,
-        copy_seconds=m.backend.copy_seconds,
-        stall_seconds=m.backend.stall_seconds,
-        disk_blocks=len(disk.regions) if disk is not None else 0,
-        disk_bytes=disk_bytes,
-        disk_bytes_read=disk.bytes_read if disk is not None else 0,
-        disk_reads=disk.reads if disk is not None else 0,
-        disk_read_seconds=disk.read_seconds if disk is not None else 0.0,
-        disk_stall_seconds=disk.stall_seconds if disk is not None else 0.0,
-        staging_bytes=disk.ring_bytes if disk is not None else 0,
-        disk_checkpoint_blocks=len(disk.extents) if disk is not None else 0,
-    )

@@ -175,7 +175,7 @@ class _RecordingDevice:
 
 
 def _recording_backend(device: _RecordingDevice):
-    from .device_backend import StreamBackend
+    from .device.backend import StreamBackend
 
     class RecordingBackend(StreamBackend):
         """The real StreamBackend over the recorder (its constructor asks torch for a device module)."""
@@ -304,13 +304,13 @@ class _Session:
     follow arm it afresh, as after any replan."""
 
     def __init__(self, num_blocks: int):
+        from .host.side import HostEnvironment
         from .manager import LayerwiseOffloadManager
 
         self.device = device = _RecordingDevice()
         self.model = _Model(num_blocks, device)
-        manager = LayerwiseOffloadManager(list(self.model.blocks), "cpu", pin_memory=True)
-        manager.host.pinner = _AnyPinner()
-        manager.host.available_host_bytes = lambda: 2 ** 40
+        manager = LayerwiseOffloadManager(list(self.model.blocks), "cpu", pin_memory=True, environment=HostEnvironment(
+            pinner=_AnyPinner(), available_host_bytes=lambda: 2 ** 40))
         manager.copier.bounce_bytes = 4096
         manager.backend = _recording_backend(device)
         manager.attach(self.model)

@@ -9,11 +9,15 @@ import comfy.model_management as mm
 
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.device_support import CPU_LOOPBACK_ENV, device_support, startup_line
-from layerwise_offload.nodes.offload_node import offload_model, offload_stats, offload_stats_text
+from layerwise_offload.nodes.offload_node import offload_model, offload_stats
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.nodes.v1 import LayerwiseOffloadStatsV1, LayerwiseOffloadV1
 from layerwise_offload.nodes.offload_node import DEFAULTS
 from layerwise_offload.offload.planner import format_bytes, forward_activation_bytes, plan_residency
+
+
+def offload_stats_text(model, after_connected=True):
+    return offload_stats(model, after_connected)[0]  # the text the Stats node shows
 
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")

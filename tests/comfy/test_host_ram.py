@@ -10,8 +10,8 @@ from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.host_ram import ComfyUIPinner
 from layerwise_offload.nodes.offload_node import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
-from layerwise_offload.offload import LayerwiseOffloadManager
-from layerwise_offload.offload.advice import block_tiers
+from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
+from layerwise_offload.nodes.advice import block_tiers
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
 
@@ -44,9 +44,8 @@ def test_our_pinned_bytes_count_in_comfyuis_pinned_total(monkeypatch):
     before = mm.TOTAL_PINNED_MEMORY
     model = tiny_dits.build_tiny("wan21")
     blocks = list(model.get_model_object("diffusion_model").blocks)
-    manager = LayerwiseOffloadManager(blocks, "cpu", pin_memory=True, resident_layers=1)
-    manager.host.pinner = ComfyUIPinner()
-    manager.host.available_host_bytes = lambda: 2**40
+    manager = LayerwiseOffloadManager(blocks, "cpu", pin_memory=True, resident_layers=1, environment=HostEnvironment(
+        pinner=ComfyUIPinner(), available_host_bytes=lambda: 2**40))
     manager.prepare()
     streamed = sum(manager.block_nbytes()[1:])
     assert mm.TOTAL_PINNED_MEMORY - before == streamed == sum(cudart.live.values())
@@ -67,14 +66,14 @@ def test_comfyuis_ram_cache_sees_the_host_store():
 
 
 def _available(monkeypatch, nbytes):
-    monkeypatch.setattr("layerwise_offload.offload.host_side.available_host_bytes", lambda: nbytes)
+    monkeypatch.setattr("layerwise_offload.offload.host.side.available_host_bytes", lambda: nbytes)
 
 
 def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
     """Packing frees ComfyUI's copy block by block: one block (and the slack) free is enough, far below the model
     size or the old 512 MiB margin. Where the copy is held elsewhere too, packing adds the whole model: refused
     with its settings and the disk tier named, and with host_store = disk the same host runs it, bitwise."""
-    from layerwise_offload.offload.disk_budget import PACKING_SLACK_BYTES
+    from layerwise_offload.offload.disk.budget import PACKING_SLACK_BYTES
     monkeypatch.setenv("LAYERWISE_OFFLOAD_DISK_DIR", str(tmp_path))
     want = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
     model = tiny_dits.build_tiny("wan21")
@@ -105,7 +104,7 @@ def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
     assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want)
     controller = controller_of(offloaded)
     assert controller.manager.host.tiers() == ["disk"] * len(blocks)
-    tiers = block_tiers(controller.manager)  # what the Stats node's block map draws
+    tiers = block_tiers(controller.manager.stats())  # what the Stats node's block map draws
     assert (tiers.count("R"), tiers.count("D"), tiers.count("S")) == (2, len(blocks) - 2, 0)
     figures = controller.last_report.figures()  # the run line and the stats text
     stored = sum(controller.manager.block_nbytes())

@@ -5,8 +5,8 @@ import re
 
 from torch import nn
 
-from layerwise_offload.offload import LayerwiseOffloadManager
-from layerwise_offload.offload.advice import RunReport, block_tiers, recommend, seconds, slot_count
+from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager, choose_resident_blocks
+from layerwise_offload.nodes.advice import RunReport, block_tiers, recommend, seconds
 
 MiB = 2**20
 
@@ -99,18 +99,21 @@ def test_block_map_in_call_order_with_room_for_a_disk_tier():
     manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=2, prefetch_size=1, policy="strided")
     manager.prepare()
     manager.arm()
-    resident = set(manager.schedule.resident_blocks)
-    assert block_tiers(manager) == "".join("R" if i in resident else "S" for i in range(5))
-    assert block_tiers(manager).count("R") == 2 and slot_count(manager) == 2
+    stats = manager.stats()
+    resident = {i for i, tier in enumerate(stats.block_tiers) if tier == "resident"}
+    assert resident == {i for i, kept in enumerate(choose_resident_blocks(5, 2, "strided")) if kept}
+    assert block_tiers(stats) == "".join("R" if i in resident else "S" for i in range(5))
+    assert stats.slot_count == 2
 
 
 def test_block_map_shows_blocks_on_disk(tmp_path):
     blocks = [nn.Linear(8, 8) for _ in range(5)]
     manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=2, prefetch_size=1, policy="strided",
-                                      host_store="disk")
-    manager.host.disk_folder = str(tmp_path)
+                                      host_store="disk", environment=HostEnvironment(disk_folder=str(tmp_path)))
     manager.prepare()
     manager.arm()
-    resident = set(manager.schedule.resident_blocks)
-    assert block_tiers(manager) == "".join("R" if i in resident else "D" for i in range(5))
+    stats = manager.stats()
+    resident = {i for i, tier in enumerate(stats.block_tiers) if tier == "resident"}
+    assert len(resident) == 2
+    assert block_tiers(stats) == "".join("R" if i in resident else "D" for i in range(5))
     manager.detach()

@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
-from layerwise_offload.offload import LayerwiseOffloadManager
-from layerwise_offload.offload.disk_budget import RAM_MARGIN_BYTES
-from layerwise_offload.offload.disk_file import padded
-from layerwise_offload.offload.checkpoint_file import CheckpointError, CheckpointFile, is_mapped, locate
+from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
+from layerwise_offload.offload.disk.budget import RAM_MARGIN_BYTES
+from layerwise_offload.offload.disk.cache_file import padded
+from layerwise_offload.offload.disk.checkpoint import CheckpointError, CheckpointFile, is_mapped, locate
 
 NUM_BLOCKS = 7
 
@@ -114,9 +114,9 @@ def test_disk_blocks_read_from_the_checkpoint_write_nothing_and_give_the_same_ou
     model, _ = mapped_toy(toy_file)
     folder = tmp_path / "cache"
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
-                                      prefetch_size=prefetch, policy=policy, host_store="disk")
-    manager.host.disk_folder = str(folder)
-    manager.host.available_host_bytes = lambda: 2**40
+                                      prefetch_size=prefetch, policy=policy, host_store="disk",
+                                      environment=HostEnvironment(
+                                          disk_folder=str(folder), available_host_bytes=lambda: 2**40))
     manager.attach(model)
     read = []
     with torch.no_grad():
@@ -147,9 +147,8 @@ def test_a_converted_block_and_a_baked_one_fall_back_to_the_cache_file(tmp_path,
     with torch.no_grad():
         want = want_model(sample_input)
     manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=0, prefetch_size=1, host_store="disk",
-                                      released_params="host")
-    manager.host.disk_folder = str(tmp_path / "cache")
-    manager.host.available_host_bytes = lambda: 2**40
+                                      released_params="host", environment=HostEnvironment(
+                                          disk_folder=str(tmp_path / "cache"), available_host_bytes=lambda: 2**40))
     manager.attach(model)
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
@@ -174,11 +173,11 @@ def test_auto_packs_ram_blocks_from_the_mapping_and_reads_the_rest_from_the_file
     want = reference(toy_file, sample_input)
     model, _ = mapped_toy(toy_file)
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=0, prefetch_size=1,
-                                      host_store="auto")
-    manager.host.disk_folder = str(tmp_path / "cache")
+                                      host_store="auto", environment=HostEnvironment(
+                                          disk_folder=str(tmp_path / "cache"), available_host_bytes=lambda: free))
     sizes = manager.block_nbytes()
     # Room for three blocks in RAM beyond the margin and the staging ring: mapped weights free no RAM when packed.
-    manager.host.available_host_bytes = lambda: RAM_MARGIN_BYTES + 3 * max(sizes) + 3 * padded(max(sizes))
+    free = RAM_MARGIN_BYTES + 3 * max(sizes) + 3 * padded(max(sizes))
     manager.attach(model)
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
@@ -201,9 +200,9 @@ def test_a_few_converted_bytes_stay_in_ram_and_the_rest_of_the_block_still_reads
     want_model.load_state_dict({k: v.clone() for k, v in model.state_dict().items()}, assign=True)
     with torch.no_grad():
         want = want_model(sample_input)
-    manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=0, prefetch_size=1, host_store="disk")
-    manager.host.disk_folder = str(tmp_path / "cache")
-    manager.host.available_host_bytes = lambda: 2**40
+    manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=0, prefetch_size=1, host_store="disk",
+                                      environment=HostEnvironment(
+        disk_folder=str(tmp_path / "cache"), available_host_bytes=lambda: 2**40))
     manager.attach(model)
     with torch.no_grad():
         for _ in range(3):

@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import save_file
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
-from layerwise_offload.offload import LayerwiseOffloadManager, disk_tier
-from layerwise_offload.offload.checkpoint_file import CheckpointFile
-from layerwise_offload.offload.device_backend import StreamBackend
+from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
+from layerwise_offload.offload.disk import tier as disk_tier
+from layerwise_offload.offload.disk.checkpoint import CheckpointFile
+from layerwise_offload.offload.device.backend import StreamBackend
 
 ACTORS = ("compute", "copy", "host", "disk")
 
@@ -160,10 +161,9 @@ def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="c
     with torch.no_grad():
         want = model(x)
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
-                                      prefetch_size=prefetch, policy=policy, pin_memory=True, host_store="disk")
-    manager.host.disk_folder = str(tmp_path)
-    manager.host.pinner = YesPinner()
-    manager.host.available_host_bytes = lambda: 2**40
+                                      prefetch_size=prefetch, policy=policy, pin_memory=True, host_store="disk",
+                                      environment=HostEnvironment(disk_folder=str(tmp_path), pinner=YesPinner(),
+                                                                  available_host_bytes=lambda: 2**40))
     module = FakeCudaModule()
     manager.backend = backend = Backend(module)
     manager.attach(model)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer, toy_and_reference
-from layerwise_offload.offload import LayerwiseOffloadManager
-from layerwise_offload.offload.disk_file import CacheFile, DiskTierError, padded, remove_stale_files
+from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
+from layerwise_offload.offload.disk.cache_file import CacheFile, DiskTierError, padded, remove_stale_files
 
 NUM_BLOCKS = 7
 
@@ -22,11 +22,10 @@ def reference(x):
         return ToyTransformer()(x)
 
 
-def offloaded(folder, **settings):
+def offloaded(folder, available=lambda: 2**40, **settings):
     model = ToyTransformer()
-    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", **settings)
-    manager.host.disk_folder = str(folder)
-    manager.host.available_host_bytes = lambda: 2**40
+    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", **settings, environment=HostEnvironment(
+        disk_folder=str(folder), available_host_bytes=available))
     return model, manager.attach(model)
 
 
@@ -82,15 +81,15 @@ def test_released_host_views_of_disk_blocks_are_the_weights_and_writes_never_rea
 
 
 def test_auto_keeps_every_block_in_ram_where_packing_adds_nothing(tmp_path, sample_input):
-    model, manager = offloaded(tmp_path, resident_layers=1, host_store="auto")
-    from layerwise_offload.offload.disk_budget import RAM_MARGIN_BYTES
+    from layerwise_offload.offload.disk.budget import RAM_MARGIN_BYTES
+    free = [RAM_MARGIN_BYTES - 1]  # the host's free RAM as the manager reads it, changed below
+    model, manager = offloaded(tmp_path, available=lambda: free[0], resident_layers=1, host_store="auto")
     # Packing into RAM frees ComfyUI's copy (the toy's weights are sole-owned): one byte short of the margin, every
     # block still stays in RAM, which takes no more than ComfyUI's copy did.
-    manager.host.available_host_bytes = lambda: RAM_MARGIN_BYTES - 1
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))
     assert manager.host.tiers() == ["ram"] * NUM_BLOCKS and cache_files(tmp_path) == []
-    manager.host.available_host_bytes = lambda: 2**40
+    free[0] = 2**40
     manager.replan(host_store="ram")  # another setting: every block back in RAM, the file gone
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))
@@ -100,8 +99,9 @@ def test_auto_keeps_every_block_in_ram_where_packing_adds_nothing(tmp_path, samp
 def test_call_order_other_than_list_order_reads_what_runs(tmp_path):
     order = [6, 5, 4, 3, 2, 1, 0, 0, 3]
     model, x, want = toy_and_reference(order, 3, 4)
-    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=1, host_store="disk")
-    manager.host.disk_folder = str(tmp_path)
+    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=1, host_store="disk",
+                                      environment=HostEnvironment(
+        disk_folder=str(tmp_path)))
     manager.attach(model)
     with torch.no_grad():
         for _ in range(3):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from layerwise_offload.offload.file_mappings import MappedFiles
+from layerwise_offload.offload.disk.mappings import MappedFiles
 
 pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
 
@@ -91,7 +91,7 @@ def test_a_mapping_the_kernel_split_in_two_is_one_span(tmp_path):
 
 
 def test_a_weight_over_a_read_only_mapping_frees_no_ram_when_packed(tmp_path):
-    from layerwise_offload.offload.disk_budget import freed_by_packing
+    from layerwise_offload.offload.disk.budget import freed_by_packing
 
     weight = torch.nn.Parameter(_mapped(_file(tmp_path), "r")[:8192].view(torch.float16), requires_grad=False)
     mapped = MappedFiles()
@@ -127,7 +127,7 @@ def test_packing_gives_back_the_pages_it_read_through_the_mapping(tmp_path):
 def test_without_proc_self_maps_nothing_is_located_and_nothing_is_called(tmp_path, monkeypatch):
     """Windows and macOS: no /proc/self/maps. The snapshot is empty, packing's page hand-back returns at once
     (it would otherwise load libc, which ctypes cannot do by that name there)."""
-    import layerwise_offload.offload.file_mappings as file_mappings
+    import layerwise_offload.offload.disk.mappings as file_mappings
 
     snapshot = MappedFiles(str(tmp_path / "no-maps"))
     weight = _mapped(_file(tmp_path), "r")[:4096]

@@ -7,21 +7,23 @@ import pytest
 import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
-from layerwise_offload.offload import OffloadConfig
-from layerwise_offload.offload.block_params import BlockParameters
-from layerwise_offload.offload.disk_tier import DiskTier
-from layerwise_offload.offload.host_side import HostSide, HostTier, RamTier
-from layerwise_offload.offload.host_store import block_parameters
+from layerwise_offload.offload import HostEnvironment, OffloadConfig
+from layerwise_offload.offload.blocks.params import BlockParameters
+from layerwise_offload.offload.disk.tier import DiskTier
+from layerwise_offload.offload.host.side import HostSide, HostTier, RamTier
+from layerwise_offload.offload.host.packing import block_parameters
 
 
 def host_side(tmp_path, host_store, available=2**40):
+    """A host side over a toy model's blocks. Its settings and free RAM are read through ``knobs`` (here standing in
+    for the manager's config and the OS), which a test may change as the manager and the OS would."""
     model = ToyTransformer()
     blocks = model.blocks_in_call_order()
     expected = [[param.detach().clone() for _, param in block_parameters(block)] for block in blocks]
-    host = HostSide(blocks, torch.device("cpu"), OffloadConfig(host_store=host_store, prefetch_size=1))
-    host.disk_folder = str(tmp_path)
-    host.available_host_bytes = lambda: available
-    return model, blocks, expected, host, BlockParameters(blocks)
+    knobs = {"config": OffloadConfig(host_store=host_store, prefetch_size=1), "available": available}
+    host = HostSide(blocks, torch.device("cpu"), lambda: knobs["config"], HostEnvironment(
+        disk_folder=str(tmp_path), available_host_bytes=lambda: knobs["available"]))
+    return model, blocks, expected, host, BlockParameters(blocks), knobs
 
 
 def pack_all(host, params):
@@ -48,15 +50,15 @@ def test_both_tiers_answer_the_same_interface():
 
 @pytest.mark.parametrize("host_store", ["ram", "disk", "auto"])
 def test_every_block_is_read_back_from_its_tier_byte_for_byte(tmp_path, host_store):
-    model, blocks, expected, host, params = host_side(tmp_path, host_store)
+    model, blocks, expected, host, params, knobs = host_side(tmp_path, host_store)
     if host_store == "auto":
         # Short of RAM, and packing frees nothing (another holder keeps the weights, as a mapped checkpoint or a
         # shared storage would): the latest blocks go to disk, the rest stay in RAM.
         held = [param.detach() for block in blocks for param in block.parameters()]  # noqa: F841
-        from layerwise_offload.offload.disk_file import padded
+        from layerwise_offload.offload.disk.cache_file import padded
         largest = max(sum(t.numel() * t.element_size() for t in block) for block in expected)
         # The margin, the staging ring (prefetch + 2 blocks) and about three blocks in RAM.
-        host.available_host_bytes = lambda: 512 * 2**20 + 3 * padded(largest + 1024) + 3 * (largest + 1024)
+        knobs["available"] = 512 * 2**20 + 3 * padded(largest + 1024) + 3 * (largest + 1024)
     packed = pack_all(host, params)
     tiers = host.tiers()
     assert sorted(packed) == list(range(len(blocks)))
@@ -83,7 +85,7 @@ def test_every_block_is_read_back_from_its_tier_byte_for_byte(tmp_path, host_sto
 
 
 def test_a_block_replaced_from_outside_is_the_only_one_packed_again(tmp_path):
-    model, blocks, expected, host, params = host_side(tmp_path, "disk")
+    model, blocks, expected, host, params, knobs = host_side(tmp_path, "disk")
     pack_all(host, params)
     first = blocks[2]
     name, param = block_parameters(first)[0]
@@ -99,9 +101,9 @@ def test_a_block_replaced_from_outside_is_the_only_one_packed_again(tmp_path):
 
 
 def test_a_new_host_store_setting_repacks_every_block_from_where_it_is(tmp_path):
-    model, blocks, expected, host, params = host_side(tmp_path, "disk")
+    model, blocks, expected, host, params, knobs = host_side(tmp_path, "disk")
     pack_all(host, params)
-    host.config = OffloadConfig(host_store="ram", prefetch_size=1)
+    knobs["config"] = OffloadConfig(host_store="ram", prefetch_size=1)
     assert host.outdated(params) == list(range(len(blocks)))
     pack_all(host, params)  # read back from the old cache file, which is then deleted
     assert host.tiers() == ["ram"] * len(blocks) and host.disk is None
@@ -121,9 +123,8 @@ def test_a_dropped_manager_frees_its_host_copies_by_reference_count_alone(tmp_pa
     from layerwise_offload.offload import apply_layerwise_offload
     model = ToyTransformer()
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2,
-                                      host_store=host_store)
-    manager.host.disk_folder = str(tmp_path)
-    manager.host.available_host_bytes = lambda: 2**40
+                                      host_store=host_store, environment=HostEnvironment(
+                                          disk_folder=str(tmp_path), available_host_bytes=lambda: 2**40))
     with torch.no_grad():
         model(torch.ones(1, 3, 32))
     assert manager.store.built
@@ -152,12 +153,12 @@ def _without_disk_tier_calls(monkeypatch):
 
 
 def test_without_the_calls_a_disk_tier_needs_auto_keeps_every_block_in_ram(tmp_path, monkeypatch):
-    from layerwise_offload.offload.disk_file import disk_tier_unsupported
+    from layerwise_offload.offload.disk.cache_file import disk_tier_unsupported
 
     assert disk_tier_unsupported() is None  # this machine (Linux) has them
     _without_disk_tier_calls(monkeypatch)
     assert "os.preadv, os.posix_fadvise" in disk_tier_unsupported()
-    model, blocks, expected, host, params = host_side(tmp_path, "auto", available=512 * 2**20 - 1)
+    model, blocks, expected, host, params, knobs = host_side(tmp_path, "auto", available=512 * 2**20 - 1)
     assert host.tiers() == ["ram"] * len(blocks)  # short of RAM, but there is no disk to go to
     pack_all(host, params)
     assert host.disk is None and host.tiers() == ["ram"] * len(blocks)
@@ -169,11 +170,11 @@ def test_without_the_calls_a_disk_tier_needs_auto_keeps_every_block_in_ram(tmp_p
 
 def test_without_a_disk_tier_host_store_disk_is_refused_and_not_offered(tmp_path, monkeypatch):
     _without_disk_tier_calls(monkeypatch)
-    _, _, _, host, params = host_side(tmp_path, "disk")
+    _, _, _, host, params, knobs = host_side(tmp_path, "disk")
     with pytest.raises(ValueError, match=r"host_store = disk: the disk tier needs os\.preadv.*Use host_store = "
                                          r"auto or ram"):
         pack_all(host, params)
-    _, _, _, host, params = host_side(tmp_path, "auto", available=1)
+    _, _, _, host, params, knobs = host_side(tmp_path, "auto", available=1)
     message = host.shortfall()
     assert message and "host memory is short" in message and "host_store = disk" not in message, message
     assert "No disk tier here: the disk tier needs os.preadv" in message
@@ -182,9 +183,9 @@ def test_without_a_disk_tier_host_store_disk_is_refused_and_not_offered(tmp_path
 def test_auto_keeps_every_block_in_ram_where_packing_frees_comfyuis_copies(tmp_path):
     """Packing a sole-owned block frees ComfyUI's copy of it: the all-RAM plan adds nothing but one block at its
     peak, so auto takes it even with less free than its usual margin (never more RAM than ComfyUI alone)."""
-    model, blocks, expected, host, params = host_side(tmp_path, "auto")
+    model, blocks, expected, host, params, knobs = host_side(tmp_path, "auto")
     largest = max(sum(t.numel() * t.element_size() for t in block) for block in expected)
-    host.available_host_bytes = lambda: 64 * 2**20 + 2 * largest  # the slack and one block: not the margin
+    knobs["available"] = 64 * 2**20 + 2 * largest  # the slack and one block: not the margin
     pack_all(host, params)
     assert host.tiers() == ["ram"] * len(blocks)
     assert host.tier_plan.reason == ""  # grows by the alignment padding alone
@@ -193,12 +194,12 @@ def test_auto_keeps_every_block_in_ram_where_packing_frees_comfyuis_copies(tmp_p
 def test_disk_blocks_are_written_in_chunks_and_the_ring_waits_for_the_first_read(tmp_path, monkeypatch):
     """Nothing block-sized is allocated while packing to disk: each block goes through one small write buffer,
     and the staging ring is allocated at the first read, once ComfyUI's copies are gone."""
-    from layerwise_offload.offload import disk_tier
+    from layerwise_offload.offload.disk import tier as disk_tier
     monkeypatch.setattr(disk_tier, "CHUNK_BYTES", 4096)
     allocated = []
     original = disk_tier.aligned_buffer
     monkeypatch.setattr(disk_tier, "aligned_buffer", lambda nbytes: allocated.append(nbytes) or original(nbytes))
-    model, blocks, expected, host, params = host_side(tmp_path, "disk")
+    model, blocks, expected, host, params, knobs = host_side(tmp_path, "disk")
     pack_all(host, params)
     sizes = [layout.nbytes for layout in host.store.layouts]
     assert max(sizes) > 4096 and allocated == [4096] and host.disk.ring == []

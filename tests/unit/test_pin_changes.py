@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
-from layerwise_offload.offload import LayerwiseOffloadManager
+from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
 
 
 def _staging_test():
@@ -54,11 +54,14 @@ class LoggingPinner:
 
 def setup(resident, monkeypatch):
     model = ToyTransformer()
-    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
-                                      prefetch_size=1, pin_memory=True)
     module = fakes.FakeCudaModule()
-    manager.host.pinner = pinner = LoggingPinner(module)
-    manager.host.available_host_bytes = lambda: 2**40
+    pinner = LoggingPinner(module)
+    # ComfyUI's pin cap as the manager reads it: none, until a test sets one
+    cap = pinner.cap = [None]
+    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
+                                      prefetch_size=1, pin_memory=True, environment=HostEnvironment(
+                                          pinner=pinner, available_host_bytes=lambda: 2**40,
+                                          pin_cap=lambda own: cap[0]))
     manager.backend = backend = SourceBackend(module, pinner)
     backend.full_syncs = []
     sync = backend.copy_stream.synchronize
@@ -128,7 +131,7 @@ def test_a_smaller_pin_cap_while_copies_are_in_flight_waits_only_for_their_event
         model(x)
     streamed = manager.schedule.streamed_blocks
     keep = sorted(streamed, reverse=True)[:2]  # _sync_pinning locks the late blocks first
-    manager.host.pin_cap_bytes = sum(manager.store.buffers[i].numel() for i in keep)
+    pinner.cap[0] = sum(manager.store.buffers[i].numel() for i in keep)
     since = len(pinner.log)
     manager._sync_pinning()
     assert {kind for kind, *_ in pinner.log[since:]} == {"unregister"}
@@ -145,7 +148,7 @@ def test_the_checker_catches_an_unlock_under_a_copy_in_flight(monkeypatch):
     model, manager, pinner, backend = setup(1, monkeypatch)
     with torch.no_grad():
         model(x)
-    manager.host.pin_cap_bytes = 0
+    pinner.cap[0] = 0
     monkeypatch.setattr(backend, "wait_host", lambda handle: None)
     since = len(pinner.log)
     manager._sync_pinning()

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
-from layerwise_offload.offload import apply_layerwise_offload
-from layerwise_offload.offload.host_memory import GiB
-from layerwise_offload.offload.pinning import PinLedger, return_freed_host_memory
+from layerwise_offload.offload import HostEnvironment, apply_layerwise_offload
+from layerwise_offload.offload.host.ram import GiB
+from layerwise_offload.offload.host.pinning import PinLedger, return_freed_host_memory
 
 
 class RecordingPinner:
@@ -60,9 +60,8 @@ def reference(x):
 
 def pinned_offload(pinner, available=64 * GiB, **settings):
     model = ToyTransformer()
-    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, pin_memory=True, **settings)
-    manager.host.pinner = pinner
-    manager.host.available_host_bytes = lambda: available
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, pin_memory=True, **settings,
+                                      environment=HostEnvironment(pinner=pinner, available_host_bytes=lambda: available))
     return model, manager
 
 
@@ -126,12 +125,12 @@ def test_short_host_memory_locks_the_trailing_streamed_blocks_that_fit(sample_in
     pinner = RecordingPinner()
     model = ToyTransformer()
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, pin_memory=True,
-                                      resident_layers=1)
-    manager.host.pinner = pinner
+                                      resident_layers=1, environment=HostEnvironment(
+                                          pinner=pinner, available_host_bytes=lambda: free))
     sizes = manager.block_nbytes()
     streamed = sum(sizes[1:])
     margin = 2 * GiB  # pinnable_bytes keeps at least 2 GiB free
-    manager.host.available_host_bytes = lambda: margin - (streamed - sizes[-1] - sizes[-2])
+    free = margin - (streamed - sizes[-1] - sizes[-2])
     with caplog.at_level(logging.WARNING, logger="layerwise_offload"), torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(sample_input), reference(sample_input))
@@ -220,7 +219,7 @@ class FakeCudart:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    from layerwise_offload.offload import pinning
+    from layerwise_offload.offload.host import pinning
     runtime = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
     monkeypatch.setattr(pinning, "_LAST_ERROR", [runtime.cudaGetLastError])
@@ -228,7 +227,7 @@ def fake_cuda(monkeypatch):
 
 
 def test_a_refused_registration_leaves_no_cuda_error_behind(fake_cuda):
-    from layerwise_offload.offload.pinning import CudaHostRegisterPinner
+    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
     pinner = CudaHostRegisterPinner()
     buffer = torch.empty(3 * 4096, dtype=torch.uint8)
     assert pinner.register(buffer)
@@ -238,7 +237,7 @@ def test_a_refused_registration_leaves_no_cuda_error_behind(fake_cuda):
 
 def test_every_block_of_a_small_model_gets_its_own_pages(fake_cuda, sample_input):
     """Blocks far under a page each: heap buffers would share pages and all but the first be refused."""
-    from layerwise_offload.offload.pinning import CudaHostRegisterPinner
+    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
     model, manager = pinned_offload(CudaHostRegisterPinner())
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))

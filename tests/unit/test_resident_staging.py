@@ -1,4 +1,4 @@
-"""Residents reach the device from page-locked memory (offload/resident_staging.py), checked without a GPU.
+"""Residents reach the device from page-locked memory (offload/device/resident_copy.py), checked without a GPU.
 
 The vector clocks of test_disk_ordering.py (compute, copy stream, host): the host learns that a copy finished
 only from its event. Every copy of a resident must read page-locked memory (the pinner's registered ranges),
@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
-from layerwise_offload.offload import LayerwiseOffloadManager, resident_staging
+from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
+from layerwise_offload.offload.device import resident_copy as resident_staging
 
 
 def _fakes():
@@ -74,10 +75,10 @@ def run(resident, prefetch, monkeypatch, pinner=None, chunk=4096, break_waits=Fa
     with torch.no_grad():
         want = ToyTransformer()(x)
     model = ToyTransformer()
+    pinner = pinner or RangePinner()
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
-                                      prefetch_size=prefetch, pin_memory=True)
-    manager.host.pinner = pinner = pinner or RangePinner()
-    manager.host.available_host_bytes = lambda: 2**40
+                                      prefetch_size=prefetch, pin_memory=True,
+                                      environment=HostEnvironment(pinner=pinner, available_host_bytes=lambda: 2**40))
     manager.copier.bounce_bytes = chunk  # a toy block spans several chunks: the ring is reused within a block
     module = fakes.FakeCudaModule()
     manager.backend = backend = SourceBackend(module, pinner)

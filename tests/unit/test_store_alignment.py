@@ -5,7 +5,7 @@ small or odd-sized neighbour (fp32 scales of fp8 weights, biases, mixed dtypes) 
 import torch
 from torch import nn
 
-from layerwise_offload.offload.host_store import HostStore, block_parameters, plan_layout
+from layerwise_offload.offload.host.packing import HostStore, block_parameters, plan_layout
 
 
 class MixedBlock(nn.Module):

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
-from layerwise_offload.offload import LayerwiseOffloadManager
-from layerwise_offload.offload.device_backend import StreamBackend
+from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
+from layerwise_offload.offload.device.backend import StreamBackend
 
 STREAMS = ("compute", "copy", "transform")
 
@@ -164,11 +164,11 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
     model = ToyTransformer()
     model.order = order
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
-                                      prefetch_size=prefetch, policy=policy, pin_memory=pinning != "pageable")
-    manager.host.pinner = PINNING[pinning]
-    if manager.host.pinner is not None:
-        manager.host.pinner.count = 0
-    manager.host.available_host_bytes = lambda: 2**40
+                                      prefetch_size=prefetch, policy=policy, pin_memory=pinning != "pageable",
+                                      environment=HostEnvironment(pinner=PINNING[pinning],
+                                                                  available_host_bytes=lambda: 2**40))
+    if PINNING[pinning] is not None:
+        PINNING[pinning].count = 0
     fake = FakeCudaModule()
     FakeStream.waits = []
     manager.backend = backend = (backend_class or RecordingBackend)(fake)
@@ -239,7 +239,7 @@ def track_issuing_hook(manager, backend):
     def copy(dst, src, after=None, then=None):
         host_block.update({manager.store.buffers[i].data_ptr(): i for i in range(manager.num_blocks)})
         block = host_block.get(src.data_ptr())
-        if block is None:  # a resident's chunk, from the page-locked bounce ring (resident_staging.py)
+        if block is None:  # a resident's chunk, from the page-locked bounce ring (offload/device/resident_copy.py)
             bounce = [b.data_ptr() for b in manager.copier.bounce.buffers]
             assert src.data_ptr() in bounce, "a copy from neither the store nor the bounce ring"
             backend.issued.append((backend.copying, *backend.issuing, True))
@@ -262,7 +262,7 @@ def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(re
                                                                               pinning):
     manager, backend = run_checked(resident, prefetch, policy, order, pinning)
     residents = set(manager.schedule.resident_blocks)  # copied once when the plan is armed
-    if pinning != "pageable":  # through the bounce ring where the pinner grants it (resident_staging.py)
+    if pinning != "pageable":  # through the bounce ring where the pinner grants it (offload/device/resident_copy.py)
         assert all(pinned for block, _, _, pinned in backend.issued if block in residents) or pinning == "mixed"
     for block, phase, hook_block, pinned in backend.issued:
         if phase == "pre" and block != hook_block and block not in residents:  # a prefetch

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from layerwise_offload.offload import device_backend
+from layerwise_offload.offload.device import backend as device_backend
 from layerwise_offload.offload import timing_model as tm
 
 UNIT = tm.GpuSpec("unit", 0, h2d_bytes_per_s=1.0, matmul_flops_per_s=1.0 / tm.DIT_EFFICIENCY, hbm_bytes_per_s=1.0)

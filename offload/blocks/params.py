@@ -1,7 +1,7 @@
 """What each block's parameters point at: its device copy, its host copy, or empty placeholders.
 
 Blocks keep their parameter objects for life; only their data changes (``param.data``, or a swapped-in
-quantized subclass). This room remembers where it last pointed each block, so a move by someone else (a LoRA
+quantized subclass). This module remembers where it last pointed each block, so a move by someone else (a LoRA
 bake swapping Parameter objects, a whole-model ``.to()``) is noticed, and caches the views it points them at.
 """
 
@@ -12,9 +12,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 from torch import nn
 
-from .block_checks import check_no_shared_parameters
-from .host_store import BlockLayout, HostStore, block_parameters, params_are_inference
-from .tensor_subclass import point_param_at, weight_pointer
+from .checks import check_no_shared_parameters
+from ..host.packing import BlockLayout, HostStore, block_parameters, params_are_inference
+from .weights import point_param_at, weight_pointer
 
 
 class BlockParameters:
@@ -66,9 +66,9 @@ class BlockParameters:
             views = self._views[key] = make()
         return views
 
-    def drop_views(self, index: int, place=None) -> None:
-        """Forget block ``index``'s cached views (only those of ``place``, if given)."""
-        for key in [k for k in self._views if k[1] == index and (place is None or k[0] == place)]:
+    def drop_views(self, index: int) -> None:
+        """Forget block ``index``'s cached views."""
+        for key in [k for k in self._views if k[1] == index]:
             del self._views[key]
 
     def clear_views(self) -> None:

@@ -7,7 +7,7 @@ a stream of its own once the copy's bytes are in, and the copy's completion even
 stream's wait for that event covers it, the next copy into the same slot waits for the compute stream as before,
 and the copy stream goes on to the next block's copy without waiting for the LoRA math.
 
-A resident whose host copy is pageable goes through a small page-locked bounce ring (resident_staging.py).
+A resident whose host copy is pageable goes through a small page-locked bounce ring (device/resident_copy.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .resident_staging import PinnedBounce, bounce_for
+from .resident_copy import PinnedBounce, bounce_for
 
 # transform(block index, the block's weights on the device in ``BlockLayout.weights`` order); in place.
 BlockTransform = Callable[[int, Sequence[torch.Tensor]], None]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from .planner import format_bytes
+from ..offload import format_bytes
 
 # Below this share of the run spent waiting for copies, the copies count as hidden.
 HIDDEN_STALL_FRACTION = 0.02
@@ -20,23 +20,11 @@ RESIDENT, STREAMED, ON_DISK = "R", "S", "D"
 TIER_WORDS = {RESIDENT: "in VRAM", STREAMED: "streamed from RAM", ON_DISK: "streamed from disk"}
 
 
-def block_tiers(manager) -> str:
-    """The manager's plan as one letter per block (``TIER_WORDS``): resident, or streamed from the host tier
-    it lives in (RAM, or the disk tier's file)."""
-    schedule = manager.schedule
-    if schedule is None:
-        return ""
-    resident = set(schedule.resident_blocks)
-    tiers = manager.host.tiers()
-    return "".join(RESIDENT if i in resident else ON_DISK if tiers[i] == "disk" else STREAMED
-                   for i in range(manager.num_blocks))
-
-
-def slot_count(manager) -> int:
-    """The streaming slots the manager's plan holds on the device (its ring of ``prefetch_size + 1``)."""
-    if manager.schedule is None:
-        return 0
-    return manager.schedule.footprint(manager.block_nbytes(), manager.config.prefetch_size).slot_count
+def block_tiers(stats) -> str:
+    """A manager's plan (its :class:`~layerwise_offload.offload.OffloadStats`) as one letter per block
+    (``TIER_WORDS``): resident, or streamed from the host tier it lives in (RAM, or the disk tier's file)."""
+    letters = {"resident": RESIDENT, "ram": STREAMED, "disk": ON_DISK}
+    return "".join(letters[tier] for tier in stats.block_tiers)
 
 
 def activation_words(source: str) -> str:

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .checkpoint_file import drop_from_page_cache, locate
+from .checkpoint import drop_from_page_cache, locate
 
 __all__ = ["CONVERTED_SHARE_LIMIT", "MappedFiles", "checkpoint_extents"]
 

@@ -16,9 +16,9 @@ from typing import List, Optional
 
 import torch
 
-from .device_backend import copy_finished
-from .host_store import allocate_host_buffer
-from .pinning import PinLedger
+from .backend import copy_finished
+from ..host.packing import allocate_host_buffer
+from ..host.pinning import PinLedger
 
 __all__ = ["PinnedBounce"]
 

@@ -24,9 +24,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .checkpoint_file import is_mapped
-from .config import HOST_STORES
-from .file_mappings import MappedFiles
+from .checkpoint import is_mapped
+from ..config import HOST_STORES
+from .mappings import MappedFiles
 
 __all__ = ["HOST_STORES", "PACKING_SLACK_BYTES", "RAM_MARGIN_BYTES", "TierPlan", "freed_by_packing",
            "plan_host_tiers", "refusal"]

@@ -5,28 +5,53 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
-from typing import Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from dataclasses import dataclass
+from typing import Any,  Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
 
 import torch
 
-from .checkpoint_file import drop_cached_pages
-from .disk_budget import (PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers,
+from ..disk.checkpoint import drop_cached_pages
+from ..disk.budget import (PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers,
                           refusal)
-from .disk_file import disk_tier_unsupported, padded
-from .disk_tier import CHUNK_BYTES, DiskTier
-from .file_mappings import MappedFiles, checkpoint_extents
-from .host_memory import available_host_bytes, pinnable_bytes
+from ..disk.cache_file import disk_tier_unsupported, padded
+from ..disk.tier import CHUNK_BYTES, DiskTier
+from ..disk.mappings import MappedFiles, checkpoint_extents
+from .ram import available_host_bytes, pinnable_bytes
 from .pinning import default_pinner, return_freed_host_memory
-from .host_store import HostStore, _packed_sources, block_parameters, params_are_inference, plan_layout
+from .packing import HostStore, _packed_sources, block_parameters, params_are_inference, plan_layout
 
 log = logging.getLogger("layerwise_offload")
 
 DISK_DIR_ENV = "LAYERWISE_OFFLOAD_DISK_DIR"
 
 
-def default_disk_folder() -> str:
-    """Where the disk tier writes when nobody chose: $LAYERWISE_OFFLOAD_DISK_DIR, else the system temp folder."""
-    return os.environ.get(DISK_DIR_ENV) or os.path.join(tempfile.gettempdir(), "layerwise-offload")
+def default_disk_folder(fallback: Optional[str] = None) -> str:
+    """Where the disk tier writes: $LAYERWISE_OFFLOAD_DISK_DIR (read when the file is made), else ``fallback``,
+    else the system temp folder."""
+    return os.environ.get(DISK_DIR_ENV) or fallback or os.path.join(tempfile.gettempdir(), "layerwise-offload")
+
+
+DEVICE_DEFAULT = "device default"
+
+
+@dataclass(frozen=True)
+class HostEnvironment:
+    """What the machine around a manager provides: given once, when the manager is made, and never changed.
+
+    ``pinner`` page-locks host buffers (None: never); by default the device's own (none for the CPU).
+    ``pin_cap`` is an outside cap on page-locked bytes (ComfyUI's own limit): given the bytes this manager holds
+    page-locked now, the most it may hold (None: no cap). It is asked each time the pinning is chosen, since other
+    models pin and unpin between runs.
+    ``available_host_bytes`` reads the host memory free to this process (None: unknown); by default the OS's
+    figure, its memory cgroup included (:func:`~.ram.available_host_bytes`).
+    ``disk_folder`` is where the disk tier's cache file goes unless $LAYERWISE_OFFLOAD_DISK_DIR says otherwise
+    (None: the system temp folder; see :func:`default_disk_folder`).
+    """
+
+    pinner: Any = DEVICE_DEFAULT
+    pin_cap: Optional[Callable[[int], Optional[int]]] = None
+    available_host_bytes: Optional[Callable[[], Optional[int]]] = None
+    disk_folder: Optional[str] = None
 
 
 @runtime_checkable
@@ -88,20 +113,17 @@ class HostSide:
     blocks that do not fit in RAM, the disk tier. Both answer one interface (``holds``, ``read_ahead``,
     ``source``: the host tensor to copy from, read in full; ``copied``: the copy from it is queued; ``pageable``).
 
-    ``config`` is the manager's (host_store, prefetch_size, pin_memory); the manager keeps it current.
-    ``pinner`` page-locks host buffers (None: never); ``pin_cap_bytes`` is an outside cap on the pinned bytes
-    (ComfyUI's own limit); ``available_host_bytes`` reads the host memory free (replaceable, so tests can pass a
-    figure); ``disk_folder`` is where the disk tier's cache file goes (None: :func:`default_disk_folder`).
+    ``settings()`` reads the manager's config, which only the manager holds (host_store, prefetch_size,
+    pin_memory); ``environment`` is what the machine provides (:class:`HostEnvironment`).
     """
 
-    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device, config):
+    def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device, settings: Callable[[], Any],
+                 environment: Optional[HostEnvironment] = None):
         self.blocks = blocks
         self.device = device
-        self.config = config
-        self.pinner = default_pinner(device)
-        self.pin_cap_bytes: Optional[int] = None
-        self.available_host_bytes = available_host_bytes
-        self.disk_folder: Optional[str] = None
+        self._settings = settings
+        self.environment = environment = environment or HostEnvironment()
+        self.pinner = default_pinner(device) if environment.pinner == DEVICE_DEFAULT else environment.pinner
         self.store: Optional[HostStore] = None
         self.ram: Optional[RamTier] = None
         self.disk: Optional[DiskTier] = None  # the disk tier's file and staging ring, while some block lives on disk
@@ -113,12 +135,12 @@ class HostSide:
 
     @property
     def pin_memory(self) -> bool:
-        pin = self.config.pin_memory
+        pin = self._settings().pin_memory
         return self.device.type != "cpu" if pin is None else pin
 
     @property
     def ring_size(self) -> int:
-        return self.config.prefetch_size + 2  # the copies in flight, plus reads ahead of them
+        return self._settings().prefetch_size + 2  # the copies in flight, plus reads ahead of them
 
     # ----------------------------------------------------------------- the copy's source
     def tier(self, index: int) -> HostTier:
@@ -167,7 +189,7 @@ class HostSide:
 
     def _is_stale(self) -> bool:
         inference = params_are_inference(block_parameters(self.blocks[0]))
-        return self.store is None or inference != self.inference_tensors or self.mode != self.config.host_store
+        return self.store is None or inference != self.inference_tensors or self.mode != self._settings().host_store
 
     def _restart(self, params) -> None:
         """A new, empty store. Parameters made under inference_mode (ComfyUI loads models inside it) are inference
@@ -182,7 +204,7 @@ class HostSide:
         self._old_disk, self.disk = self.disk, None
         self.store = HostStore([plan_layout(named) for named in params.named], self.pinner)
         self.ram = RamTier(self.store)
-        self.mode = self.config.host_store
+        self.mode = self._settings().host_store
 
     def pack(self, indices: Sequence[int], params, packed: Callable[[int], None], progress=None) -> None:
         """Pack blocks ``indices`` (from :meth:`outdated`) from their parameters now into their tier. After each
@@ -197,7 +219,7 @@ class HostSide:
             plan = self.tier_plan = self._plan_tiers(indices, mapped_files=mapped_files)
             if plan.disk_blocks:
                 log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s) in %s", plan.disk_blocks,
-                         len(self.blocks), plan.reason, self.disk_folder or default_disk_folder())
+                         len(self.blocks), plan.reason, self._disk_folder())
         if indices:  # the blocks bound for disk first: they free ComfyUI's copies before any RAM block needs room
             indices = sorted(indices, key=lambda i: not self.tier_plan.disk[i])
         for done, index in enumerate(indices, 1):
@@ -223,7 +245,7 @@ class HostSide:
                     mapped_files: Optional[MappedFiles] = None) -> TierPlan:
         """Which blocks' host copies go to disk under ``config.host_store``, and what packing ``waiting`` costs.
         Where the platform has no disk tier, auto keeps every block in RAM and disk is refused."""
-        mode = mode or self.config.host_store
+        mode = mode or self._settings().host_store
         unsupported = disk_tier_unsupported()
         if unsupported is not None:
             if mode == "disk":
@@ -242,16 +264,23 @@ class HostSide:
         disk = self.disk
         ring = self.ring_size
         return plan_host_tiers(
-            sizes, freed, mode, self.available_host_bytes(),
+            sizes, freed, mode, self._available_bytes(),
             ring_bytes=lambda tiers: ring * max((padded(s) for s, d in zip(sizes, tiers) if d), default=0),
             margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(len(self.blocks))], chunk_bytes=CHUNK_BYTES,
             padding_bytes=padding,
             already_disk=[disk is not None and disk.holds(i) for i in range(len(self.blocks))])
 
+    def _available_bytes(self) -> Optional[int]:
+        probe = self.environment.available_host_bytes
+        return available_host_bytes() if probe is None else probe()
+
+    def _disk_folder(self) -> str:
+        return default_disk_folder(self.environment.disk_folder)
+
     def _disk_tier(self, expected_bytes: int) -> DiskTier:
         if self.disk is None:
             pinner = self.pinner if self.pin_memory else None
-            self.disk = DiskTier(self.disk_folder or default_disk_folder(), self.ring_size, pinner=pinner,
+            self.disk = DiskTier(self._disk_folder(), self.ring_size, pinner=pinner,
                                  expected_bytes=expected_bytes)
         return self.disk
 
@@ -268,7 +297,7 @@ class HostSide:
         ring = plan.ring_bytes if plan is not None else 0
         named = block_parameters(self.blocks[index])
         nbytes = plan_layout(named).nbytes
-        available = self.available_host_bytes()
+        available = self._available_bytes()
         # What would really fail: the block's new buffer (a disk block's write chunk) before ComfyUI's copy goes.
         need = min(nbytes, CHUNK_BYTES) if on_disk else nbytes
         if available is not None and available < need + PACKING_SLACK_BYTES:
@@ -319,10 +348,11 @@ class HostSide:
         requested = sum(sizes.values())
         chosen = set()
         if requested:
-            available = self.available_host_bytes()
+            available = self._available_bytes()
             # The blocks are allocated already: what they take is available to lock them with.
             spare = None if available is None else available + requested
-            allowed = pinnable_bytes(requested, cap=self.pin_cap_bytes, available=spare)
+            cap = self.environment.pin_cap
+            allowed = pinnable_bytes(requested, cap=None if cap is None else cap(store.pinned_nbytes()), available=spare)
             total = 0
             for index in sorted(streamed, reverse=True):
                 if total + sizes[index] <= allowed:
@@ -372,7 +402,7 @@ class HostSide:
         (:mod:`.disk_budget`). ``settings`` names the caller's settings in the message (the node's inputs, say);
         ``host_store`` plans under that setting instead of the configured one.
         """
-        mode = host_store or self.config.host_store
+        mode = host_store or self._settings().host_store
         stale = self.store is None or self.mode != mode
         waiting = [i for i in range(len(self.blocks)) if stale or self.store.buffers[i] is None]
         if not waiting:
@@ -383,7 +413,7 @@ class HostSide:
         return self._refusal(plan, settings, waiting)
 
     def _refusal(self, plan: TierPlan, settings: Optional[str] = None, waiting: Optional[Sequence[int]] = None) -> str:
-        config = self.config
+        config = self._settings()
         settings = settings or (f"resident_layers={config.resident_layers}, prefetch_size={config.prefetch_size}, "
                                 f"pin_memory={self.pin_memory}, host_store={config.host_store}")
         unsupported = disk_tier_unsupported()

@@ -1,4 +1,4 @@
-"""The disk tier: host copies of the blocks that live on disk instead of RAM (host_side.py holds both tiers).
+"""The disk tier: host copies of the blocks that live on disk instead of RAM (host/side.py holds both tiers).
 
 Before each host-to-device copy of one of its blocks the host side asks :meth:`DiskTier.source`: the staging
 buffer the block's bytes were read into. Reads are issued ahead of use (:meth:`read_ahead`, the blocks the model
@@ -26,9 +26,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from .device_backend import copy_finished
-from .disk_file import ALIGN, CacheFile, aligned_buffer, padded
-from .pinning import PinLedger
+from ..device.backend import copy_finished
+from .cache_file import ALIGN, CacheFile, aligned_buffer, padded
+from ..host.pinning import PinLedger
 
 __all__ = ["DiskTier"]
 
@@ -91,9 +91,6 @@ class DiskTier:
         if self._file is None:
             self._file = CacheFile(self.folder, self.expected_bytes)
         return self._file
-
-    def from_checkpoint(self, index: int) -> bool:
-        return index in self.extents
 
     def checkpoint_bytes(self) -> int:
         return sum(self.regions[i][1] for i in self.extents)

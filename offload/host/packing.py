@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .pinning import Pinner, PinLedger
-from .tensor_subclass import RebuildFn, weight_parts
+from ..blocks.weights import RebuildFn, weight_parts
 
 log = logging.getLogger("layerwise_offload")
 

@@ -52,9 +52,6 @@ class DeviceMemory:
         buffer = self.residents[index] = self.allocate(nbytes)
         return buffer, True
 
-    def drop_resident(self, index: int) -> bool:
-        return self.residents.pop(index, None) is not None
-
     def acquire(self, protect: Set[int], evict_protected: bool, running: Sequence[int],
                 release: Callable[[int], None]) -> Optional[int]:
         """A slot for a block about to be copied in: a free one, else one whose block nobody is running
