@@ -61,11 +61,12 @@ __all__ = [
 ]
 
 
-def apply_layerwise_offload(blocks, device, root=None, environment=None, **settings) -> LayerwiseOffloadManager:
+def apply_layerwise_offload(blocks, device, root=None, environment=None, backend=None,
+                            **settings) -> LayerwiseOffloadManager:
     """Offload ``blocks`` (in call order) for compute on ``device`` and install the hooks.
 
     Weights move into the host store at the first forward, not here, so building a pipeline never
-    holds device memory other stages need. ``settings`` are :class:`OffloadConfig` fields.
-    Call ``detach()`` on the returned manager to undo.
+    holds device memory other stages need. ``settings`` are :class:`OffloadConfig` fields; ``environment`` and
+    ``backend`` as for :class:`LayerwiseOffloadManager`. Call ``detach()`` on the returned manager to undo.
     """
-    return LayerwiseOffloadManager(blocks, device, OffloadConfig(**settings), environment).attach(root)
+    return LayerwiseOffloadManager(blocks, device, OffloadConfig(**settings), environment, backend).attach(root)

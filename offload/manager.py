@@ -43,6 +43,8 @@ class LayerwiseOffloadManager:
             holder: :meth:`replan` changes it.
         environment: what the machine provides (:class:`HostEnvironment`: pinner, pin cap, free-RAM probe, disk
             folder), fixed for the manager's life; by default the device's pinner and the OS's figures.
+        backend: how copies reach the device (``device/backend.py``); by default the device's own. The tests'
+            stand-ins for a GPU and the timing model pass a recording one here.
 
     Lifecycle: ``attach()`` installs the hooks; the first block forward arms the plan (host store,
     device slots, resident copies); ``release_all()`` returns every device byte; ``replan()``
@@ -55,7 +57,7 @@ class LayerwiseOffloadManager:
     """
 
     def __init__(self, blocks: Sequence[nn.Module], device, config: Optional[OffloadConfig] = None,
-                 environment: Optional[HostEnvironment] = None, **overrides):
+                 environment: Optional[HostEnvironment] = None, backend=None, **overrides):
         self.blocks: List[nn.Module] = list(blocks)
         if not self.blocks:
             raise ValueError("LayerwiseOffloadManager needs at least one block to manage")
@@ -69,7 +71,7 @@ class LayerwiseOffloadManager:
         this = weakref.ref(self)
         self.host = HostSide(self.blocks, self.device, lambda: this().config, environment)
         self.params = BlockParameters(self.blocks)
-        self.backend = make_backend(self.device, self.config.measure_time)
+        self.backend = backend or make_backend(self.device, self.config.measure_time)
         self.device_memory = DeviceMemory(self.device, self.num_blocks)
         self.copier = BlockCopier()
         self.calls = CallTracker()

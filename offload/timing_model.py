@@ -310,9 +310,8 @@ class _Session:
         self.device = device = _RecordingDevice()
         self.model = _Model(num_blocks, device)
         manager = LayerwiseOffloadManager(list(self.model.blocks), "cpu", pin_memory=True, environment=HostEnvironment(
-            pinner=_AnyPinner(), available_host_bytes=lambda: 2 ** 40))
+            pinner=_AnyPinner(), available_host_bytes=lambda: 2 ** 40), backend=_recording_backend(device))
         manager.copier.bounce_bytes = 4096
-        manager.backend = _recording_backend(device)
         manager.attach(self.model)
         self.manager = manager
 

@@ -73,7 +73,7 @@ def test_the_lora_is_queued_on_its_own_stream_with_no_host_sync(monkeypatch):
     assert factors and not factors & host_factors
 
     fake = fakes.FakeCudaModule()
-    manager.backend = fakes.RecordingBackend(fake)
+    manager.backend = fakes.RecordingBackend(fake)  # looks inside: a recording GPU stands in for the node's device
     syncs = []
     monkeypatch.setattr(fakes.FakeEvent, "synchronize", lambda self: syncs.append("event"))
     monkeypatch.setattr(fakes.FakeStream, "synchronize", lambda self: syncs.append(f"{self.name} stream"))

@@ -67,10 +67,10 @@ def test_copies_pending_when_a_forward_ends_are_waited_on_before_outside_reads(x
     weights after the forward (on the current stream) must see finished copies or the host copy, never a slot
     still being written."""
     model = ToyTransformer()
-    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=1,
-                                      prefetch_size=prefetch)
     fake = fakes.FakeCudaModule()
-    manager.backend = backend = fakes.RecordingBackend(fake)
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=1,
+                                      prefetch_size=prefetch, backend=fakes.RecordingBackend(fake))
+    backend = manager.backend
     with torch.no_grad():
         for _ in range(2):
             model(x)
@@ -92,10 +92,10 @@ def test_the_compute_stream_does_not_wait_for_the_next_forwards_prefetch(x, resi
     with torch.no_grad():
         want = ToyTransformer()(x)
     model = ToyTransformer()
-    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=resident,
-                                      prefetch_size=prefetch)
     fake = fakes.FakeCudaModule()
-    manager.backend = backend = fakes.RecordingBackend(fake)
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=resident,
+                                      prefetch_size=prefetch, backend=fakes.RecordingBackend(fake))
+    backend = manager.backend
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(x), want)

@@ -160,12 +160,13 @@ def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="c
     model = toy_over_checkpoint(tmp_path) if source == "checkpoint" else ToyTransformer()
     with torch.no_grad():
         want = model(x)
+    module = FakeCudaModule()
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy, pin_memory=True, host_store="disk",
                                       environment=HostEnvironment(disk_folder=str(tmp_path), pinner=YesPinner(),
-                                                                  available_host_bytes=lambda: 2**40))
-    module = FakeCudaModule()
-    manager.backend = backend = Backend(module)
+                                                                  available_host_bytes=lambda: 2**40),
+                                      backend=Backend(module))
+    backend = manager.backend
     manager.attach(model)
     reads = []
     manager.prepare()

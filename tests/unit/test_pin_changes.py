@@ -61,8 +61,8 @@ def setup(resident, monkeypatch):
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=1, pin_memory=True, environment=HostEnvironment(
                                           pinner=pinner, available_host_bytes=lambda: 2**40,
-                                          pin_cap=lambda own: cap[0]))
-    manager.backend = backend = SourceBackend(module, pinner)
+                                          pin_cap=lambda own: cap[0]), backend=SourceBackend(module, pinner))
+    backend = manager.backend
     backend.full_syncs = []
     sync = backend.copy_stream.synchronize
 

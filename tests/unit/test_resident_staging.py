@@ -76,12 +76,13 @@ def run(resident, prefetch, monkeypatch, pinner=None, chunk=4096, break_waits=Fa
         want = ToyTransformer()(x)
     model = ToyTransformer()
     pinner = pinner or RangePinner()
+    module = fakes.FakeCudaModule()
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, pin_memory=True,
-                                      environment=HostEnvironment(pinner=pinner, available_host_bytes=lambda: 2**40))
-    manager.copier.bounce_bytes = chunk  # a toy block spans several chunks: the ring is reused within a block
-    module = fakes.FakeCudaModule()
-    manager.backend = backend = SourceBackend(module, pinner)
+                                      environment=HostEnvironment(pinner=pinner, available_host_bytes=lambda: 2**40),
+                                      backend=SourceBackend(module, pinner))
+    backend = manager.backend
+    manager.copier.bounce_bytes = chunk  # looks inside: a toy block spans several chunks, so the ring is reused
     fills = []  # (first byte, last byte, host clock when the host wrote the bounce buffer)
     fill = torch.Tensor.copy_
 

@@ -163,15 +163,16 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
         want = reference(x)
     model = ToyTransformer()
     model.order = order
+    fake = FakeCudaModule()
+    FakeStream.waits = []
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy, pin_memory=pinning != "pageable",
                                       environment=HostEnvironment(pinner=PINNING[pinning],
-                                                                  available_host_bytes=lambda: 2**40))
+                                                                  available_host_bytes=lambda: 2**40),
+                                      backend=(backend_class or RecordingBackend)(fake))
+    backend = manager.backend
     if PINNING[pinning] is not None:
         PINNING[pinning].count = 0
-    fake = FakeCudaModule()
-    FakeStream.waits = []
-    manager.backend = backend = (backend_class or RecordingBackend)(fake)
     if transform:
         manager.set_after_copy(halve_on_the_device(fake, backend))
     manager.attach(model)
