@@ -10,13 +10,10 @@ Two rules this module enforces:
   ``comfy.model_management`` is first imported. :func:`import_comfyui` turns argument parsing off and sets
   ``args.cpu`` before that import, so the process never sees pytest's argv and runs on the CPU by default.
 
-This file has no relative imports, so a script can load it by path before the package exists::
+This file has no relative imports, so it runs before the package exists. Every entry point (tests/conftest.py,
+a devtools/ file run by path) starts the same way, with :func:`enter_pack`::
 
-    import importlib.util, pathlib
-    p = pathlib.Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"
-    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", p)
-    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-    mod.register_pack()                      # now: from layerwise_offload.devtools import tiny_dits
+    runpy.run_path(str(REPO / "devtools" / "comfy_env.py"))["enter_pack"](globals())
 """
 
 from __future__ import annotations
@@ -28,16 +25,6 @@ import sys
 import types
 from pathlib import Path
 from typing import Optional, Union
-
-__all__ = [
-    "PACK_NAME",
-    "repo_root",
-    "comfyui_path",
-    "register_pack",
-    "import_pack_modules",
-    "import_comfyui",
-    "with_fields_this_comfyui_needs",
-]
 
 PACK_NAME = "layerwise_offload"
 
@@ -100,6 +87,16 @@ def import_pack_modules(*submodules: str, root: Optional[PathLike] = None):
     sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != root_path]
     register_pack(root_path)
     return tuple(importlib.import_module(f"{PACK_NAME}.{name}") for name in submodules)
+
+
+def enter_pack(module_globals: Optional[dict] = None) -> None:
+    """The start of every entry point: take the repository root off ``sys.path`` and register the pack. Given the
+    globals of a file of this repository run by path (``python -P devtools/x.py``), also set its ``__package__``
+    (``layerwise_offload.devtools``), so its relative imports work."""
+    import_pack_modules()
+    if module_globals is not None:
+        folder = Path(module_globals["__file__"]).resolve().parent.relative_to(repo_root())
+        module_globals["__package__"] = ".".join((PACK_NAME, *folder.parts))
 
 
 def _loaded_comfy_dir() -> Optional[Path]:
@@ -186,7 +183,8 @@ def import_comfyui(path: Optional[PathLike] = None, *, cpu: bool = True, import_
 _NEWER_REQUIRED_FIELDS = {
     "flux": ("comfy.ldm.flux.model", "FluxParams", {"txt_ids_dims": []}),  # 0.14.1: Flux.1 has none
     "flux2": ("comfy.ldm.flux.model", "FluxParams", {"txt_ids_dims": [3]}),
-    "hunyuan_video": ("comfy.ldm.hunyuan_video.model", "HunyuanVideoParams", {"meanflow_sum": False}),
+    "hunyuan_video": ("comfy.ldm.hunyuan_video.model", "HunyuanVideoParams",
+                      {"meanflow_sum": False, "use_cond_type_embedding": False, "vision_in_dim": None}),
 }
 
 

@@ -19,19 +19,15 @@ import asyncio
 import inspect
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-if __package__ in (None, ""):  # run as a script: register the pack as ComfyUI would import it
-    import importlib.util
-    from pathlib import Path
-    _root = Path(__file__).resolve().parents[1]
-    _spec = importlib.util.spec_from_file_location("_lwo_comfy_env", _root / "devtools" / "comfy_env.py")
-    _env = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_env)
-    _env.register_pack(_root, "layerwise_offload")
-    __package__ = "layerwise_offload.devtools"
+if not __package__:  # run by path: register the pack so the relative imports below work
+    import runpy
+    runpy.run_path(str(Path(__file__).with_name("comfy_env.py")))["enter_pack"](globals())
 
 from .comfy_env import import_comfyui  # noqa: E402
+from .workflow_api import combo_options  # noqa: E402
 
 #: Nodes the matrix cannot run here, with the reason (everything else is decided from the node's declaration).
 NOT_RUN_HERE = {
@@ -69,14 +65,6 @@ def _load_extra_nodes():
     return comfy_nodes.NODE_CLASS_MAPPINGS
 
 
-def _combo_options(kind, options) -> Optional[list]:
-    if isinstance(kind, (list, tuple)):
-        return list(kind)
-    if kind == "COMBO":
-        return list(options.get("options", []))
-    return None
-
-
 def _scalar(kind, options):
     default = options.get("default")
     if kind == "FLOAT" and default is not None:
@@ -101,7 +89,7 @@ def describe_node(name: str, cls: type) -> CoreNode:
         if kind == "MODEL":
             node.model_inputs.append(input_name)
             continue
-        combo = _combo_options(kind, options)
+        combo = combo_options(kind, options)
         if combo is not None:
             if not combo:
                 node.reason = f"input {input_name!r} lists files this ComfyUI does not have"

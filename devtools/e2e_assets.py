@@ -27,67 +27,28 @@ Everything is deterministic (fixed seeds) and skipped when the file already exis
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import sys
 from pathlib import Path
 from typing import Dict, Optional
 
-if __package__ in (None, ""):  # run as a script: register the repo as the package `layerwise_offload`, re-enter
-    import importlib.util as _ilu
+if not __package__:  # run by path: register the pack so the relative imports below work
+    import runpy
+    runpy.run_path(str(Path(__file__).with_name("comfy_env.py")))["enter_pack"](globals())
 
-    _p = Path(__file__).resolve().parent / "comfy_env.py"
-    _spec = _ilu.spec_from_file_location("_lwo_comfy_env", _p)
-    _mod = _ilu.module_from_spec(_spec)
-    _spec.loader.exec_module(_mod)
-    _mod.register_pack()
-    from layerwise_offload.devtools import e2e_assets as _real
+import torch  # noqa: E402
 
-    sys.exit(_real.main())
-
-import torch
-
-from .comfy_env import import_comfyui
-
-__all__ = [
-    "TINY_WAN21_NAME",
-    "TINY_WAN21_VAE_NAME",
-    "TINY_SD15_UNET_NAME",
-    "TINY_COND_FOLDER",
-    "TINY_COND_TOKENS",
-    "build_tiny_wan21_vae",
-    "comfyui_tensor_specs",
-    "save_tiny_sd15_unet",
-    "install_demo_assets",
-    "copy_cond",
-    "tiny_wan_prompt",
-    "main",
-]
-
-_demo_spec = importlib.util.spec_from_file_location(
-    "_lwo_install_tiny_demo", Path(__file__).resolve().parents[1] / "demo" / "install_tiny_demo.py")
-#: The shipped writer of the tiny demo's files (demo/install_tiny_demo.py): the tests use the files a user gets.
-demo = importlib.util.module_from_spec(_demo_spec)
-_demo_spec.loader.exec_module(demo)
+from ..demo import install_tiny_demo as demo  # noqa: E402  (the shipped writer: the tests use what users get)
+from .comfy_env import import_comfyui  # noqa: E402
+from .tiny_dits import init_tiny_weights  # noqa: E402
 
 #: File names under models/diffusion_models, models/vae and output/ or datasets/ (what the tiny workflow and the
 #: tests refer to).
-TINY_WAN21_NAME = demo.WAN21_FILE
-TINY_WAN21_VAE_NAME = demo.VAE_FILE
+TINY_WAN21_NAME, TINY_WAN21_VAE_NAME, TINY_COND_FOLDER = demo.WAN21_FILE, demo.VAE_FILE, demo.COND_FOLDER
 TINY_SD15_UNET_NAME = "layerwise_offload_tiny_sd15_unet.safetensors"
-TINY_COND_FOLDER = demo.COND_FOLDER
-TINY_COND_TOKENS = demo.COND_TOKENS
-
-_RECIPE_VERSION = "2"  # bump when the SD1.5 builder below changes, so install_demo_assets rewrites its file
 VAE_CONFIG = dict(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
                   temperal_downsample=[False, True, True], dropout=0.0)
-
-
-def _init(module: torch.nn.Module, seed: int) -> None:
-    from .tiny_dits import init_tiny_weights
-
-    init_tiny_weights(module, seed)
 
 
 def _save(sd: Dict[str, torch.Tensor], path: Path, what: str) -> str:
@@ -110,7 +71,7 @@ def build_tiny_wan21_vae(seed: int = 0) -> torch.nn.Module:
     import comfy.ldm.wan.vae
 
     vae = comfy.ldm.wan.vae.WanVAE(**VAE_CONFIG)
-    _init(vae, seed)
+    init_tiny_weights(vae, seed)
     return vae
 
 
@@ -144,12 +105,12 @@ def save_tiny_sd15_unet(path: "os.PathLike | str", seed: int = 0) -> str:
     model_config = cfg_cls(unet_config)
     model_config.set_inference_dtype(torch.float16, None)
     model = model_config.get_model({}, "")
-    _init(model.diffusion_model, seed)
+    init_tiny_weights(model.diffusion_model, seed)
     return _save(model.diffusion_model.state_dict(), Path(path), "tiny SD1.5-family UNet (not a DiT)")
 
 
 def _stamp(seed: int) -> str:
-    return hashlib.sha256(Path(__file__).read_bytes() + f"{_RECIPE_VERSION}:{seed}".encode()).hexdigest()[:16]
+    return hashlib.sha256(Path(__file__).read_bytes() + f"{seed}".encode()).hexdigest()[:16]
 
 
 def install_demo_assets(models_dir: "os.PathLike | str", output_dir: "os.PathLike | str | None", seed: int = 0,
@@ -239,3 +200,7 @@ def main(argv: Optional[list] = None) -> int:
                               datasets_dir=a.datasets_dir or base / "datasets")
     print(json.dumps(res, indent=1))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

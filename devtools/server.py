@@ -1,8 +1,7 @@
 """Start and stop a real ComfyUI server (``python main.py``) with this pack installed, and talk to its HTTP API.
 
-Used by tests/e2e (one server per test session), scripts/run.sh and devtools/server_cli.py (its command line).
-Nothing here imports ComfyUI or torch: the server is a child process, and the API calls use only the standard
-library.
+Used by tests/e2e (one server per test session) and devtools/server_cli.py (scripts/run.sh). Nothing here imports
+ComfyUI or torch: the server is a child process, and the API calls use only the standard library.
 
 A server gets its own **base directory** (``--base-directory``, supported by ComfyUI 0.3.75: models/, custom_nodes/,
 input/, output/, temp/ and user/ all live under it), so tests never touch the ComfyUI checkout. The pack is
@@ -30,21 +29,10 @@ import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
-__all__ = [
-    "PACK_FOLDER",
-    "ServerError",
-    "PromptRejected",
-    "PromptFailed",
-    "ComfyServer",
-    "free_port",
-    "prepare_base_dir",
-    "link_pack",
-    "default_python",
-]
-
-PathLike = Union[str, os.PathLike]
+from .comfy_env import PathLike, repo_root
+from .comfy_env import comfyui_path as default_comfyui_path
 
 #: The folder name the pack gets under custom_nodes (ComfyUI lists its templates under this name).
 PACK_FOLDER = "layerwise-offload"
@@ -89,19 +77,6 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]
-
-
-def default_comfyui_path() -> Path:
-    p = os.environ.get("COMFYUI_PATH") or (repo_root() / ".comfyui" / "ComfyUI")
-    p = Path(p).expanduser().resolve()
-    if not (p / "main.py").is_file():
-        raise FileNotFoundError(
-            f"[layerwise-offload] no ComfyUI at {p}: run `bash scripts/setup_env.sh` or set COMFYUI_PATH")
-    return p
 
 
 def default_python() -> str:

@@ -1,8 +1,8 @@
-"""Command line over devtools/server.py: run the tiny demo workflow once through a real server (``smoke``, what
-``bash scripts/run.sh --smoke`` calls), or serve ComfyUI from a base directory with this pack linked (``serve``).
+"""Command line over devtools/server.py, for scripts/run.sh: make a ComfyUI base folder with this pack linked
+(``prepare``), or run the tiny demo workflow once through a real server (``smoke``, ``bash scripts/run.sh --smoke``).
 
+    .venv/bin/python -P devtools/server_cli.py prepare --base DIR
     .venv/bin/python -P devtools/server_cli.py smoke [--comfyui DIR] [--base DIR] [--gpu]
-    .venv/bin/python -P devtools/server_cli.py serve --base DIR [--port N] [--gpu] [extra main.py arguments]
 """
 
 from __future__ import annotations
@@ -13,17 +13,9 @@ import time
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
-if __name__ == "__main__" and __package__ in (None, ""):
-    # Run by path: register the repository as the package `layerwise_offload`, then run this module from it.
-    import importlib.util as _ilu
-
-    _spec = _ilu.spec_from_file_location("_lwo_comfy_env", Path(__file__).resolve().parent / "comfy_env.py")
-    _env = _ilu.module_from_spec(_spec)
-    _spec.loader.exec_module(_env)
-    _env.register_pack()
-    from layerwise_offload.devtools import server_cli as _cli
-
-    sys.exit(_cli._main())
+if not __package__:  # run by path: register the pack so the relative imports below work
+    import runpy
+    runpy.run_path(str(Path(__file__).with_name("comfy_env.py")))["enter_pack"](globals())
 
 from .server import ComfyServer, PathLike, ServerError, prepare_base_dir, repo_root  # noqa: E402
 
@@ -51,33 +43,20 @@ def smoke(base_dir: Optional[PathLike] = None, workflow: Optional[PathLike] = No
 def _main(argv: Optional[Iterable[str]] = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="Start ComfyUI with this pack (serve), or run the tiny demo once (smoke).")
+    ap = argparse.ArgumentParser(description="Make a base folder with this pack (prepare), or run the tiny demo once "
+                                             "(smoke).")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sp = sub.add_parser("serve", help="start ComfyUI in a base directory with the pack linked; Ctrl+C stops it")
-    sp.add_argument("--base", required=True)
-    sp.add_argument("--port", type=int, default=None)
-    sp.add_argument("--gpu", action="store_true", help="do not pass --cpu")
+    sub.add_parser("prepare", help="ComfyUI's folders under --base, custom_nodes/layerwise-offload linked to this "
+                                   "repository").add_argument("--base", required=True)
     sm = sub.add_parser("smoke", help="start a server, run the tiny demo workflow, stop")
     sm.add_argument("--base", default=None, help="base directory (default: ComfyUI's own folders)")
     sm.add_argument("--comfyui", default=None, help="ComfyUI folder (default: $COMFYUI_PATH or .comfyui/ComfyUI)")
     sm.add_argument("--gpu", action="store_true", help="do not pass --cpu")
-    a, rest = ap.parse_known_args(argv)
-    if a.cmd == "smoke":
-        res = smoke(a.base, cpu=not a.gpu, comfyui_path=a.comfyui)
-        print(json.dumps(res, indent=1))
-        return 0
-    base = prepare_base_dir(a.base)
-    srv = ComfyServer(base, port=a.port, cpu=not a.gpu, env={"LAYERWISE_OFFLOAD_CPU_LOOPBACK": "1"},
-                      extra_args=rest)
-    srv.start()
-    print(f"ComfyUI at {srv.url} (log: {srv.log_path}); Ctrl+C stops it", flush=True)
-    try:
-        while srv.alive():
-            time.sleep(1)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        srv.stop()
+    a = ap.parse_args(argv)
+    if a.cmd == "prepare":
+        prepare_base_dir(a.base)
+    else:
+        print(json.dumps(smoke(a.base, cpu=not a.gpu, comfyui_path=a.comfyui), indent=1))
     return 0
 
 

@@ -21,12 +21,16 @@ and VAE file sizes are the published ones; ComfyUI and Python take about 3 GB of
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
+
+if not __package__:  # run by path: register the pack so the relative imports below work
+    import runpy
+    runpy.run_path(str(Path(__file__).with_name("comfy_env.py")))["enter_pack"](globals())
 
 GiB = 2**30
 GB = 10**9
@@ -79,13 +83,10 @@ def _templates(presets) -> List[Template]:
 
 
 def _import():
-    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", Path(__file__).resolve().parent / "comfy_env.py")
-    comfy_env = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(comfy_env)
-    comfy = comfy_env.import_comfyui(cpu=True, import_nodes=False)
-    planner, discovery, presets = comfy_env.import_pack_modules("offload.planner", "nodes.discovery",
-                                                                "bench.dit_presets")
-    return comfy, planner, discovery, presets
+    from .comfy_env import import_comfyui, import_pack_modules
+
+    comfy = import_comfyui(cpu=True, import_nodes=False)
+    return (comfy, *import_pack_modules("offload.planner", "nodes.discovery", "bench.dit_presets"))
 
 
 def _sizes(t: Template, discovery):
@@ -93,41 +94,21 @@ def _sizes(t: Template, discovery):
     import torch
     from torch import nn
 
+    from .comfy_env import with_fields_this_comfyui_needs
+
     cfg_cls = getattr(comfy.supported_models, t.comfy_config)
-    unet_config = {**cfg_cls.unet_config, **t.unet_config}
+    unet_config = with_fields_this_comfyui_needs({**cfg_cls.unet_config, **t.unet_config})
     if not cfg_cls.matches(unet_config):
         raise AssertionError(f"{t.comfy_config}.matches() rejects {unet_config}")
-    dit = _build_on_meta(cfg_cls, unet_config)
+    model_config = cfg_cls(unet_config)
+    model_config.set_inference_dtype(torch.bfloat16, None)
+    with torch.device("meta"):
+        dit = model_config.get_model({}, "").diffusion_model
     found = discovery.discover_blocks(dit)
     blocks = [int(sum(p.numel() for p in b.parameters()) * t.stored_bytes) for b in found.blocks]
     total = int(sum(p.numel() for p in dit.parameters()) * t.stored_bytes)
     widths = [m.in_features for m in found.blocks[0].modules() if isinstance(m, nn.Linear)]
     return blocks, total - sum(blocks), min(widths), type(dit).__name__
-
-
-# Config keys that one ComfyUI version requires and another rejects, with the value a released checkpoint gives.
-VERSION_KEYS = {"txt_ids_dims": [], "use_cond_type_embedding": False, "vision_in_dim": None, "meanflow_sum": False}
-
-
-def _build_on_meta(cfg_cls, unet_config):
-    import torch
-
-    config = dict(unet_config)
-    for _ in range(len(VERSION_KEYS) + 1):
-        model_config = cfg_cls(config)
-        model_config.set_inference_dtype(torch.bfloat16, None)
-        try:
-            with torch.device("meta"):
-                return model_config.get_model({}, "").diffusion_model
-        except TypeError as e:
-            missing = [k for k in VERSION_KEYS if f"'{k}'" in str(e) and k not in config]
-            unexpected = [k for k in VERSION_KEYS if f"'{k}'" in str(e) and k in config]
-            if not missing and not unexpected:
-                raise
-            config.update({k: VERSION_KEYS[k] for k in missing})
-            for k in unexpected:
-                config.pop(k)
-    raise AssertionError(f"{cfg_cls.__name__}: no config this ComfyUI accepts")
 
 
 def plan_templates(cards_gb: Sequence[int] = CARDS) -> Dict:
@@ -139,7 +120,7 @@ def plan_templates(cards_gb: Sequence[int] = CARDS) -> Dict:
         blocks, non_block, hidden, model_class = _sizes(t, discovery)
         latent = (t.cfg_batch,) + t.latent[1:]
         activations = planner.forward_activation_bytes(  # what the node computes from x
-            model_class, hidden, _prod(latent[2:]), batch=latent[0], dtype_bytes=COMPUTE_BYTES,
+            model_class, hidden, math.prod(latent[2:]), batch=latent[0], dtype_bytes=COMPUTE_BYTES,
             latent_channels=latent[1]).nbytes
         resident = []
         for card in cards_gb:
@@ -197,13 +178,6 @@ def markdown_table(plans: Dict) -> List[str]:
                      f"{t['ram_bytes'] / GB:.0f} GB | {disk_tier_ram_bytes(plans, t) / GB:.0f} GB | "
                      f"{t['activation_bytes'] / GB:.1f} GB | " + " | ".join(picks(plans, t)) + " |")
     return lines
-
-
-def _prod(xs) -> int:
-    p = 1
-    for x in xs:
-        p *= x
-    return p
 
 
 def main(argv=None) -> int:

@@ -11,15 +11,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = [
-    "FRONTEND_ONLY",
-    "WIDGET_TYPES",
-    "input_specs",
-    "widget_inputs",
-    "validate_workflow",
-    "workflow_to_prompt",
-]
-
 #: Node types that exist only in the frontend (never in /object_info, never sent to the server).
 FRONTEND_ONLY = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode"})
 #: Scalar input types the frontend shows as widgets (COMBO and list-typed inputs are widgets too).
@@ -51,9 +42,10 @@ def _is_widget(typ: Any, opts: Dict[str, Any]) -> bool:
     return isinstance(typ, list) or typ in WIDGET_TYPES
 
 
-def _combo_options(typ: Any, opts: Dict[str, Any]) -> Optional[List[Any]]:
-    if isinstance(typ, list):
-        return typ
+def combo_options(typ: Any, opts: Dict[str, Any]) -> Optional[List[Any]]:
+    """The options of a COMBO input (old style: the list itself), or None for any other input."""
+    if isinstance(typ, (list, tuple)):
+        return list(typ)
     if typ == "COMBO":
         return list(opts.get("options", []))
     return None
@@ -183,7 +175,7 @@ def _check_widgets(n: Dict[str, Any], info: Dict[str, Any], linked, check_files:
             if value not in ("fixed", "increment", "decrement", "randomize"):
                 problems.append(f"{where}: not a control_after_generate mode")
             continue
-        options = _combo_options(typ, opts)
+        options = combo_options(typ, opts)
         if options is not None:
             file_list = name.endswith("_name") or name.startswith("clip_name") or name in ("ckpt_name", "unet_name")
             if (not file_list or check_files) and value not in options:

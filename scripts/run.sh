@@ -88,14 +88,7 @@ fi
 BASE="${LAYERWISE_OFFLOAD_RUN_BASE:-$ROOT/.comfyui/run}"
 mkdir -p "$BASE"
 BASE="$(cd "$BASE" && pwd)"
-"$PY" -P - "$BASE" "$ROOT" <<'PYEOF'
-import importlib.util, sys
-from pathlib import Path
-spec = importlib.util.spec_from_file_location("_lwo_server", Path(sys.argv[2]) / "devtools" / "server.py")
-server = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(server)
-server.prepare_base_dir(sys.argv[1], sys.argv[2])  # folders + custom_nodes/layerwise-offload -> this repository
-PYEOF
+"$PY" -P devtools/server_cli.py prepare --base "$BASE"  # folders + custom_nodes/layerwise-offload -> this repository
 # What ComfyUI Manager runs after cloning. The torch pin keeps any requirement from swapping ComfyUI's torch.
 torch_version="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
 pip_q -r "$ROOT/requirements.txt" "torch==$torch_version"

@@ -18,36 +18,21 @@ default device, e.g. a GPU, instead of forcing --cpu).
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
+import runpy
 from pathlib import Path
 
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PACK_NAME = "layerwise_offload"
 
 # Tests whose modules may touch ComfyUI at import time.
 _COMFY_TEST_DIRS = (REPO_ROOT / "tests" / "comfy", REPO_ROOT / "tests" / "e2e")
 
-
-def _drop_repo_root_from_sys_path() -> None:
-    # `python -m pytest` run from the repo root puts the root (as '' or its path) on sys.path. Take it off: with it,
-    # `import nodes` would find our nodes/ folder instead of ComfyUI's nodes.py. (scripts/test.sh uses `python -P`.)
-    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPO_ROOT]
-
-
-def _register_pack() -> None:
-    # devtools/comfy_env.py has no relative imports: load it by path, before the package exists.
-    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", REPO_ROOT / "devtools" / "comfy_env.py")
-    comfy_env = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(comfy_env)
-    comfy_env.register_pack(REPO_ROOT, PACK_NAME)
-
-
-_drop_repo_root_from_sys_path()
-_register_pack()
+# `python -m pytest` run from the repo root puts the root on sys.path, where `import nodes` would find our nodes/
+# folder instead of ComfyUI's nodes.py: devtools/comfy_env.py (no relative imports, loaded by path) takes it off
+# and registers the pack.
+runpy.run_path(str(REPO_ROOT / "devtools" / "comfy_env.py"))["enter_pack"]()
 
 from layerwise_offload.devtools import comfy_env  # noqa: E402
 
