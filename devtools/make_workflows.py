@@ -1,377 +1,404 @@
-"""Generate the UI-format (version 0.4) workflow files in ``workflows/``.
+"""Write the templates in ``workflows/`` (UI-format workflows, their card pictures) and the README's memory table.
 
-The files are written by this script so that all of them share one layout and one explanation of
-``resident_layers``; they follow ComfyUI's own templates (comfyui-workflow-templates 0.7.25: flux_dev_full_text_to_
-image, text_to_video_wan, video_wan2_2_14B_t2v, image_qwen_image, hunyuan_video_text_to_video) with a
-``LayerwiseOffload`` node after the diffusion-model loader, and that loader is *Load Diffusion Model (Layerwise)*
-(``UNETLoader``'s inputs, the weights left in the file) in the templates of workflow_graph.FROM_CHECKPOINT.
-After editing a workflow in the UI you may save it over the file instead; tests/e2e/test_workflows.py checks
-every file against the live ``/object_info`` either way.
+The templates follow ComfyUI's own (comfyui-workflow-templates 0.7.25: flux_dev_full_text_to_image,
+text_to_video_wan, video_wan2_2_14B_t2v, image_qwen_image, hunyuan_video_text_to_video) with a ``LayerwiseOffload``
+node after the diffusion-model loader, and share one layout and one explanation of ``resident_layers``. Their
+notes, file names, pictures (devtools/template_cards.py) and the README table all come from one planner run,
+devtools/template_plans.json (devtools/template_memory.py --write). tests/e2e/test_workflows.py checks every file
+against the live ``/object_info``, so a workflow edited in the UI may also be saved over its file.
 
-    .venv/bin/python -P devtools/make_workflows.py            # rewrite workflows/*.json
+    .venv/bin/python -P devtools/make_workflows.py            # rewrite workflows/ and the README table
     .venv/bin/python -P devtools/make_workflows.py --check    # exit 1 if a file differs from what it would write
-
-It also writes each template's card picture (devtools/template_cards.py, with Pillow) and the README's memory
-table, all from one planner run (devtools/template_plans.json, written by devtools/template_memory.py --write).
-Needs neither ComfyUI nor torch.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import itertools
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
+
+if not __package__:  # run by path: register the pack so the relative imports below work
+    import runpy
+    runpy.run_path(str(Path(__file__).with_name("comfy_env.py")))["enter_pack"](globals())
+
+from . import template_cards as cards, template_memory as memory  # noqa: E402
+from .workflow_graph import (FROM_CHECKPOINT, GGUF_LOADER, LEFT_IN_THE_FILE, LOADER_ID, NODE_ID,  # noqa: E402
+                             STATS_ID, Graph)
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOW_DIR, README = REPO / "workflows", REPO / "README.md"
+TABLE_BEGIN, TABLE_END = "<!-- devtools/make_workflows.py: memory table -->", "<!-- end of memory table -->"
+#: The planner run every note, card picture and the README table are written from.
+PLANS = memory.load_plans()
+GB = 10**9
+
+HOW_TO = """## Layerwise Offload: how many blocks stay in VRAM
+
+The **Layerwise Offload (DiT)** node keeps the first `resident_layers` transformer blocks on the GPU and streams
+the others from system RAM (those that do not fit in RAM from disk: `host_store = auto`) while sampling,
+`prefetch_size` blocks ahead. More resident blocks = faster (fewer bytes cross PCIe at each step); fewer = less
+VRAM.
+
+This workflow starts with `-1` (auto): at the first step of each run the node keeps as many blocks as fit in the
+VRAM free then, after room for the activations of this resolution. The counts below are what auto picks on each
+card size for this workflow (the node's own planner; README, "Which card needs what"): set one as a fixed
+`resident_layers` to start from, lower it by a few if sampling runs out of memory, raise it if VRAM is left.
+`0` streams every block; a count at or above the number of blocks keeps the whole model resident.
+
+After a run, the **Layerwise Offload Stats** node shows which blocks were resident and which streamed, the VRAM
+and RAM used, and how the copy time compares with the compute time. `pin_memory` (on) makes copies fast and
+asynchronous; turn it off only if the system runs short of RAM.
+
+"""
+
+TINY_DEMO_NOTE = """## A tiny demo: Layerwise Offload on a 19 MB random Wan 2.1
+
+**First, once:** in a terminal, from this pack's folder, with the Python that runs your ComfyUI:
+
+    cd ComfyUI/custom_nodes/layerwise-offload
+    python demo/install_tiny_demo.py
+
+It writes the three files this graph loads into that ComfyUI (no restart needed):
+`layerwise_offload_tiny_wan21.safetensors` (models/diffusion_models: a Wan 2.1 T2V with 4 blocks, random
+weights), `layerwise_offload_tiny_wan21_vae.safetensors` (models/vae) and `layerwise_offload_tiny_wan21_cond/`
+(one saved conditioning, in datasets/ or output/: where this ComfyUI's core node *Load Training Dataset* reads
+it. A real Wan needs the 5.7B UMT5-XXL text encoder, so that node loads a saved one instead, and
+*ConditioningZeroOut* makes the negative).
+
+Then press Run. It takes seconds on any NVIDIA GPU; elsewhere (CPU, Apple, Intel) the node passes the model
+through unchanged and the Stats node says so. The pictures are noise (random weights). Auto (`-1`) keeps all
+4 blocks on a roomy card: set `resident_layers` to 2 (2 resident, 2 streamed), 0, or `residency_policy =
+strided` and run again; the *Layerwise Offload Stats* node shows what each run did. The saved latent
+(output/layerwise_offload/) is bitwise the same as the graph without the offload node (bypass it with Ctrl+B
+and run again to compare).
+"""
 
 
-# The graph writer beside this script, loaded by path: it runs with ``-P`` (no script folder on sys.path).
-_spec = importlib.util.spec_from_file_location("_lwo_workflow_graph", Path(__file__).with_name("workflow_graph.py"))
-_graph = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_graph)
-Graph, HOW_TO, LOADER_COLOR, WORKFLOW_DIR = _graph.Graph, _graph.HOW_TO, _graph.LOADER_COLOR, _graph.WORKFLOW_DIR
-LOADER = _graph.LOADER_ID
-_note, _offload, _stats, _wid = _graph._note, _graph._offload, _graph._stats, _graph._wid
-plan_note = _graph.plan_note
+# --------------------------------------------------------------------------------------------- numbers in words
+def plan_note(key: str, setting: str) -> str:
+    """The note's block sizes, per-card counts and RAM for the template ``key``."""
+    t = memory.plan_for(PLANS, key)
+    groups = [(len(list(run)), size) for size, run in itertools.groupby(round(b / GB, 2) for b in t["block_bytes"])]
+    blocks = (f"{groups[0][0]} blocks of {groups[0][1]:.2f} GB" if len(groups) == 1 else
+              f"{len(t['block_bytes'])} blocks in call order: " + ", then ".join(f"{n} of {s:.2f} GB" for n, s in groups))
+    per = " per expert" if t["experts"] > 1 else ""
+    counts = ", ".join(f"{c} GB: {'0*' if r is None else r}" for c, r in zip(PLANS["cards_gib"], t["resident"]))
+    text = (f"{blocks}{per}. **Auto keeps resident at {setting}**{per}: {counts} "
+            f"(of {len(t['block_bytes'])}). More pixels or frames need more activation memory, so fewer blocks.")
+    if None in t["resident"]:
+        text += (" 0*: even with every block streamed the activations do not fit that card; auto streams "
+                 "everything, and fewer frames or a lower resolution is the fix if it runs out of memory.")
+    both = " (both experts)" if t["experts"] > 1 else ""
+    if key not in LEFT_IN_THE_FILE:
+        return text + (f"\n\nSystem RAM needed: about {t['ram_bytes'] / GB:.0f} GB: the diffusion model{both} "
+                       f"{t['dit_bytes'] / GB:.1f} GB, plus the text encoder, the VAE and ComfyUI.")
+    full, least = f"{t['ram_bytes'] / GB:.0f} GB", f"{memory.disk_tier_ram_bytes(PLANS, t) / GB:.0f} GB"
+    text += (f"\n\n**System RAM: about {full} for full speed, {least} at the least.** With {full} every "
+             f"streamed block stays in RAM: the diffusion model{both} {t['dit_bytes'] / GB:.1f} GB, plus the "
+             f"text encoder, the VAE and ComfyUI. With less it still runs, down to about {least}, slower: ")
+    reads = ("`host_store = auto` reads the blocks that do not fit in RAM straight from that file at each step (each "
+             "costs its read time; a fast NVMe SSD helps; the Stats node counts them).")
+    if key not in FROM_CHECKPOINT:  # the GGUF template: ComfyUI-GGUF's loader maps the .gguf
+        return text + f"*Unet Loader (GGUF)* maps the .gguf file instead of copying it into RAM, and {reads}"
+    return text + (f"*Load Diffusion Model (Layerwise)* leaves the weights in the .safetensors file instead of "
+                   f"copying them into RAM, and {reads} ComfyUI's own *Load Diffusion Model* takes the same inputs "
+                   f"but copies the whole model into RAM: with it, the full {full} is needed.")
+
+
+def file_name(key: Optional[str], title: str) -> str:
+    """A template's file name, which the template browser shows as its title and description: what it is, the
+    RAM it needs (from the disk-tier figure up where its loader leaves the weights in the file) and the smallest
+    card auto plans for; the tiny demo (``key`` None): its title."""
+    if key is None:
+        return f"{title}.json"
+    t = memory.plan_for(PLANS, key)
+    ram = f"{t['ram_bytes'] / GB:.0f} GB RAM"
+    if key in LEFT_IN_THE_FILE:
+        ram = f"{memory.disk_tier_ram_bytes(PLANS, t) / GB:.0f}+ GB RAM ({t['ram_bytes'] / GB:.0f} GB for full speed)"
+    card = next(c for c, r in zip(PLANS["cards_gib"], t["resident"]) if r is not None)
+    return f"{title}, {ram}, {card}+ GB GPU.json"
+
+
+def card_spec(key: Optional[str], card_title: str, subtitle: str):
+    if key is None:
+        return cards.demo_spec(card_title, subtitle, 4, "python demo/install_tiny_demo.py")
+    t = memory.plan_for(PLANS, key)
+    low = memory.disk_tier_ram_bytes(PLANS, t) if key in LEFT_IN_THE_FILE else None
+    return cards.model_spec(card_title, subtitle, PLANS, t, low)
+
+
+def readme_with_table(text: str) -> str:
+    """``text`` (the README) with the memory table between its markers written from :data:`PLANS`."""
+    if TABLE_BEGIN not in text or TABLE_END not in text:
+        raise ValueError(f"README.md lacks the markers {TABLE_BEGIN} ... {TABLE_END}")
+    head, rest = text.split(TABLE_BEGIN, 1)
+    return f"{head}{TABLE_BEGIN}\n" + "\n".join(memory.markdown_table(PLANS)) + f"\n{TABLE_END}" + rest.split(TABLE_END, 1)[1]
 
 
 # --------------------------------------------------------------------------------------------------- workflows
-# The layout: a note on the left, then columns of nodes, compact enough that the frontend's fit to the window
-# (workflow_graph.fitted_view) draws the node text (tests/e2e/test_workflows.py checks the zoom). One-model
-# templates: loaders, the offload node and its stats (420 wide: web/js/stats.js); conditioning and latent; sampler
-# and output.
-GAP = 30
-NOTE_WIDTH = 400
-COL_A = NOTE_WIDTH + GAP
-COL_B = COL_A + 420 + GAP
-COL_C = COL_B + 320 + GAP
-WAN22_NOTE_WIDTH = 420
-TINY_NOTE_WIDTH = 400
+# The layout: a note on the left, then columns of nodes 30 apart, compact enough that the frontend's fit to the
+# window (workflow_graph.fitted_view) draws the node text (tests/e2e/test_workflows.py checks the zoom). One-model
+# templates, after a 400-wide note: loaders, the offload node and its stats (420 wide: web/js/stats.js);
+# conditioning and latent (320); sampler and output.
+A, B, C = 430, 880, 1230
+POSITIVE, NEGATIVE = "CLIP Text Encode (Positive Prompt)", "CLIP Text Encode (Negative Prompt)"
+WAN_POSITIVE = "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking camera"
+WAN_NEGATIVE = "static, blurry, low quality, worst quality, jpeg artifacts, deformed, extra fingers, messy background"
+ONE_MODEL_LINKS = ("unet>off.model off>ms.model ms>ks.model clip>pos.clip clip>neg.clip pos>ks.positive "
+                   "neg>ks.negative lat>ks.latent_image ks>dec.samples vae>dec.vae dec>save.images")
 
 
-def flux1_dev() -> Dict[str, Any]:
-    g = Graph(_wid("flux1_dev"))
-    unet = g.add(LOADER, (COL_A, 0), ["flux1-dev.safetensors", "default"], size=(340, 82), color=LOADER_COLOR)
-    clip = g.add("DualCLIPLoader", (COL_A, 128), ["clip_l.safetensors", "t5xxl_fp16.safetensors", "flux",
-                                                  "default"], size=(340, 130), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (COL_A, 304), ["ae.safetensors"], size=(340, 58), color=LOADER_COLOR)
-    off = _offload(g, (COL_A, 418))
-    pos = g.add("CLIPTextEncode", (COL_B, 0), [
-        "a red fox sitting in fresh snow at sunrise, golden light, shallow depth of field, detailed fur"],
-        size=(320, 180), title="CLIP Text Encode (Positive Prompt)")
-    guid = g.add("FluxGuidance", (COL_B, 226), [3.5], size=(320, 58))
-    neg = g.add("ConditioningZeroOut", (COL_B, 330), [], size=(320, 26))
-    lat = g.add("EmptySD3LatentImage", (COL_B, 402), [1024, 1024, 1], size=(320, 106))
-    ks = g.add("KSampler", (COL_C, 0), [42, "fixed", 20, 1.0, "euler", "simple", 1.0], size=(320, 262))
-    dec = g.add("VAEDecode", (COL_C, 308), [], size=(210, 46))
-    save = g.add("SaveImage", (COL_C, 400), ["layerwise_offload/flux1_dev"], size=(320, 340))
-    g.connect(unet, 0, off, "model")
-    g.connect(off, 0, ks, "model")
-    g.connect(clip, 0, pos, "clip")
-    g.connect(pos, 0, guid, "conditioning")
-    g.connect(guid, 0, ks, "positive")
-    g.connect(pos, 0, neg, "conditioning")
-    g.connect(neg, 0, ks, "negative")
-    g.connect(lat, 0, ks, "latent_image")
-    g.connect(ks, 0, dec, "samples")
-    g.connect(vae, 0, dec, "vae")
-    g.connect(dec, 0, save, "images")
-    _stats(g, (COL_A, 628), off, ks)
-    _note(g, (0, 0), HOW_TO + """
-### Flux.1 [dev] (bf16)
+def offload(g: Graph, name: str, pos, prefetch: int = 1, title: Optional[str] = None) -> None:
+    """Every shipped workflow starts in auto mode (-1); the notes give fixed counts for each card size."""
+    g.add(name, NODE_ID, pos, (320, 154), -1, prefetch, "leading", True, "auto", title=title)
 
-""" + plan_note("flux1_dev", "1024x1024") + """
+
+def stats(g: Graph, pos, offload_node: str, sampler: str, title: Optional[str] = None) -> None:
+    """A Layerwise Offload Stats node reading the offload's MODEL after ``sampler`` ran (420 wide, as
+    web/js/stats.js makes it)."""
+    g.add(f"{offload_node}_stats", STATS_ID, pos, (420, 228), title=title)
+    g.link(f"{offload_node}>{offload_node}_stats.model {sampler}>{offload_node}_stats.after")
+
+
+def prompts(g: Graph, x: int, y: int, positive: str, negative: str, negative_height: int = 160, width: int = 320):
+    g.add("pos", "CLIPTextEncode", (x, y), (width, 160), positive, title=POSITIVE)
+    g.add("neg", "CLIPTextEncode", (x, y + 206), (width, negative_height), negative, title=NEGATIVE)
+
+
+def note(g: Graph, height: int, model_section: str, width: int = 400) -> None:
+    g.add("note", "MarkdownNote", (0, 0), (width, height), HOW_TO + model_section)
+
+
+def flux1_dev(g: Graph) -> None:
+    g.add("unet", LOADER_ID, (A, 0), (340, 82), "flux1-dev.safetensors", "default")
+    g.add("clip", "DualCLIPLoader", (A, 128), (340, 130), "clip_l.safetensors", "t5xxl_fp16.safetensors", "flux",
+          "default")
+    g.add("vae", "VAELoader", (A, 304), (340, 58), "ae.safetensors")
+    offload(g, "off", (A, 418))
+    g.add("pos", "CLIPTextEncode", (B, 0), (320, 180), "a red fox sitting in fresh snow at sunrise, golden light, "
+          "shallow depth of field, detailed fur", title=POSITIVE)
+    g.add("guid", "FluxGuidance", (B, 226), (320, 58), 3.5)
+    g.add("neg", "ConditioningZeroOut", (B, 330), (320, 26))
+    g.add("lat", "EmptySD3LatentImage", (B, 402), (320, 106), 1024, 1024, 1)
+    g.add("ks", "KSampler", (C, 0), (320, 262), 42, "fixed", 20, 1.0, "euler", "simple", 1.0)
+    g.add("dec", "VAEDecode", (C, 308), (210, 46))
+    g.add("save", "SaveImage", (C, 400), (320, 340), "layerwise_offload/flux1_dev")
+    g.link("unet>off.model off>ks.model clip>pos.clip pos>guid.conditioning guid>ks.positive pos>neg.conditioning "
+           "neg>ks.negative lat>ks.latent_image ks>dec.samples vae>dec.vae dec>save.images")
+    stats(g, (A, 628), "off", "ks")
+    note(g, 864, f"""### Flux.1 [dev] (bf16)
+
+{plan_note("flux1_dev", "1024x1024")}
 
 Files: `flux1-dev.safetensors` in models/diffusion_models, `clip_l.safetensors` and `t5xxl_fp16.safetensors` in
 models/text_encoders, `ae.safetensors` in models/vae.
-""", size=(NOTE_WIDTH, 864))
-    return g.to_json()
+""")
 
 
-WAN_POSITIVE = "a fox moving quickly in a beautiful winter scenery nature trees mountains daytime tracking camera"
-WAN_NEGATIVE = "static, blurry, low quality, worst quality, jpeg artifacts, deformed, extra fingers, messy background"
+def wan21_t2v_14b(g: Graph) -> None:
+    g.add("unet", LOADER_ID, (A, 0), (340, 82), "wan2.1_t2v_14B_bf16.safetensors", "default")
+    g.add("clip", "CLIPLoader", (A, 128), (340, 106), "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default")
+    g.add("vae", "VAELoader", (A, 280), (340, 58), "wan_2.1_vae.safetensors")
+    offload(g, "off", (A, 394))
+    g.add("ms", "ModelSamplingSD3", (B, 0), (320, 58), 8.0)
+    prompts(g, B, 104, WAN_POSITIVE, WAN_NEGATIVE)
+    g.add("lat", "EmptyHunyuanLatentVideo", (B, 516), (320, 130), 832, 480, 33, 1)
+    g.add("ks", "KSampler", (C, 0), (320, 262), 42, "fixed", 30, 6.0, "uni_pc", "simple", 1.0)
+    g.add("dec", "VAEDecode", (C, 308), (210, 46))
+    g.add("save", "SaveAnimatedWEBP", (C, 400), (320, 180), "video/layerwise_offload_wan21", 16.0, False, 90,
+          "default")
+    g.link(ONE_MODEL_LINKS)
+    stats(g, (A, 604), "off", "ks")
+    note(g, 840, f"""### Wan 2.1 T2V 14B (bf16)
 
-
-def _prompt_pair(g, x: int, y: int, positive: str, negative: str, negative_height: int = 160, width: int = 320):
-    """The positive and negative CLIPTextEncode nodes, stacked at (x, y) and (x, y + 206)."""
-    pos = g.add("CLIPTextEncode", (x, y), [positive], size=(width, 160), title="CLIP Text Encode (Positive Prompt)")
-    neg = g.add("CLIPTextEncode", (x, y + 206), [negative], size=(width, negative_height),
-                title="CLIP Text Encode (Negative Prompt)")
-    return pos, neg
-
-
-def wan21_t2v_14b() -> Dict[str, Any]:
-    g = Graph(_wid("wan21_t2v_14b"))
-    unet = g.add(LOADER, (COL_A, 0), ["wan2.1_t2v_14B_bf16.safetensors", "default"], size=(340, 82),
-                 color=LOADER_COLOR)
-    clip = g.add("CLIPLoader", (COL_A, 128), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
-                 size=(340, 106), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (COL_A, 280), ["wan_2.1_vae.safetensors"], size=(340, 58), color=LOADER_COLOR)
-    off = _offload(g, (COL_A, 394))
-    ms = g.add("ModelSamplingSD3", (COL_B, 0), [8.0], size=(320, 58))
-    pos, neg = _prompt_pair(g, COL_B, 104, WAN_POSITIVE, WAN_NEGATIVE)
-    lat = g.add("EmptyHunyuanLatentVideo", (COL_B, 516), [832, 480, 33, 1], size=(320, 130))
-    ks = g.add("KSampler", (COL_C, 0), [42, "fixed", 30, 6.0, "uni_pc", "simple", 1.0], size=(320, 262))
-    dec = g.add("VAEDecode", (COL_C, 308), [], size=(210, 46))
-    save = g.add("SaveAnimatedWEBP", (COL_C, 400), ["video/layerwise_offload_wan21", 16.0, False, 90, "default"],
-                 size=(320, 180))
-    g.connect(unet, 0, off, "model")
-    g.connect(off, 0, ms, "model")
-    g.connect(ms, 0, ks, "model")
-    g.connect(clip, 0, pos, "clip")
-    g.connect(clip, 0, neg, "clip")
-    g.connect(pos, 0, ks, "positive")
-    g.connect(neg, 0, ks, "negative")
-    g.connect(lat, 0, ks, "latent_image")
-    g.connect(ks, 0, dec, "samples")
-    g.connect(vae, 0, dec, "vae")
-    g.connect(dec, 0, save, "images")
-    _stats(g, (COL_A, 604), off, ks)
-    _note(g, (0, 0), HOW_TO + """
-### Wan 2.1 T2V 14B (bf16)
-
-""" + plan_note("wan21_t2v_14b", "832x480, 33 frames") + """
+{plan_note("wan21_t2v_14b", "832x480, 33 frames")}
 
 Files: `wan2.1_t2v_14B_bf16.safetensors` in models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in
 models/text_encoders, `wan_2.1_vae.safetensors` in models/vae.
-""", size=(NOTE_WIDTH, 840))
-    return g.to_json()
+""")
 
 
-def wan22_t2v_a14b() -> Dict[str, Any]:
-    g = Graph(_wid("wan22_t2v_a14b"))
-    # Columns: loaders and prompts; the offload, model sampling and stats of each expert; samplers and output.
-    a, b, c = WAN22_NOTE_WIDTH + GAP, WAN22_NOTE_WIDTH + 2 * GAP + 380, WAN22_NOTE_WIDTH + 3 * GAP + 380 + 440
-    hi = g.add(LOADER, (a, 0), ["wan2.2_t2v_high_noise_14B_fp16.safetensors", "default"], size=(380, 82),
-               title="Load Diffusion Model (Layerwise): high noise", color=LOADER_COLOR)
-    lo = g.add(LOADER, (a, 138), ["wan2.2_t2v_low_noise_14B_fp16.safetensors", "default"], size=(380, 82),
-               title="Load Diffusion Model (Layerwise): low noise", color=LOADER_COLOR)
-    clip = g.add("CLIPLoader", (a, 266), ["umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default"],
-                 size=(380, 106), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (a, 418), ["wan_2.1_vae.safetensors"], size=(380, 58), color=LOADER_COLOR)
-    off_hi = _offload(g, (b, 0), title="Layerwise Offload (high noise)")
-    off_lo = _offload(g, (b, 210), title="Layerwise Offload (low noise)")
-    ms_hi = g.add("ModelSamplingSD3", (b, 410), [8.0], size=(210, 58))
-    ms_lo = g.add("ModelSamplingSD3", (b + 230, 410), [8.0], size=(210, 58))
-    pos, neg = _prompt_pair(g, a, 522, WAN_POSITIVE, WAN_NEGATIVE, negative_height=140, width=380)
-    lat = g.add("EmptyHunyuanLatentVideo", (a, 914), [640, 640, 81, 1], size=(320, 130))
-    ks_hi = g.add("KSamplerAdvanced", (c, 0),
-                  ["enable", 42, "fixed", 20, 3.5, "euler", "simple", 0, 10, "enable"], size=(345, 334),
-                  title="KSampler (Advanced): high noise, steps 0-10")
-    ks_lo = g.add("KSamplerAdvanced", (c, 380),
-                  ["disable", 0, "fixed", 20, 3.5, "euler", "simple", 10, 10000, "disable"], size=(345, 334),
-                  title="KSampler (Advanced): low noise, steps 10-20")
-    dec = g.add("VAEDecode", (c, 760), [], size=(140, 46))
-    save = g.add("SaveAnimatedWEBP", (c, 852), ["video/layerwise_offload_wan22", 16.0, False, 90, "default"],
-                 size=(345, 180))
-    g.connect(hi, 0, off_hi, "model")
-    g.connect(lo, 0, off_lo, "model")
-    g.connect(off_hi, 0, ms_hi, "model")
-    g.connect(off_lo, 0, ms_lo, "model")
-    g.connect(ms_hi, 0, ks_hi, "model")
-    g.connect(ms_lo, 0, ks_lo, "model")
-    g.connect(clip, 0, pos, "clip")
-    g.connect(clip, 0, neg, "clip")
-    g.connect(pos, 0, ks_hi, "positive")
-    g.connect(neg, 0, ks_hi, "negative")
-    g.connect(pos, 0, ks_lo, "positive")
-    g.connect(neg, 0, ks_lo, "negative")
-    g.connect(lat, 0, ks_hi, "latent_image")
-    g.connect(ks_hi, 0, ks_lo, "latent_image")
-    g.connect(ks_lo, 0, dec, "samples")
-    g.connect(vae, 0, dec, "vae")
-    g.connect(dec, 0, save, "images")
-    _stats(g, (b, 524), off_hi, ks_hi, title="Layerwise Offload Stats (high noise)")
-    _stats(g, (b, 816), off_lo, ks_lo, title="Layerwise Offload Stats (low noise)")
-    _note(g, (0, 0), HOW_TO + """
-### Wan 2.2 T2V A14B (two fp16 experts)
+#: QuantStack's Q4_K_M files for ComfyUI-GGUF (folders HighNoise/ and LowNoise/ of the repository), by expert.
+WAN22_GGUF_REPO = "https://huggingface.co/QuantStack/Wan2.2-T2V-A14B-GGUF"
+WAN22_GGUF_FILES = {"high": "Wan2.2-T2V-A14B-HighNoise-Q4_K_M.gguf", "low": "Wan2.2-T2V-A14B-LowNoise-Q4_K_M.gguf"}
+
+
+def wan22_t2v_a14b(g: Graph, quant: str = "fp16") -> None:
+    """Two experts, each through its own offload node; ``quant``: fp16, fp8_scaled (ComfyUI's fp8 files) or gguf
+    (ComfyUI-GGUF's loader; no download URL: the frontend downloads only .safetensors, so the note links them)."""
+    a, b, c = 450, 860, 1330  # loaders and prompts; each expert's offload, model sampling and stats; samplers
+    for i, expert in enumerate(("high", "low")):
+        if quant == "gguf":
+            g.add(expert, GGUF_LOADER, (a, 138 * i), (340, 58), WAN22_GGUF_FILES[expert],
+                  title=f"Unet Loader (GGUF): {expert} noise expert")
+        else:
+            g.add(expert, LOADER_ID, (a, 138 * i), (380, 82), f"wan2.2_t2v_{expert}_noise_14B_{quant}.safetensors",
+                  "default", title=f"Load Diffusion Model (Layerwise): {expert} noise")
+    g.add("clip", "CLIPLoader", (a, 266), (380, 106), "umt5_xxl_fp8_e4m3fn_scaled.safetensors", "wan", "default")
+    g.add("vae", "VAELoader", (a, 418), (380, 58), "wan_2.1_vae.safetensors")
+    offload(g, "off_hi", (b, 0), title="Layerwise Offload (high noise)")
+    offload(g, "off_lo", (b, 210), title="Layerwise Offload (low noise)")
+    g.add("ms_hi", "ModelSamplingSD3", (b, 410), (210, 58), 8.0)
+    g.add("ms_lo", "ModelSamplingSD3", (b + 230, 410), (210, 58), 8.0)
+    prompts(g, a, 522, WAN_POSITIVE, WAN_NEGATIVE, negative_height=140, width=380)
+    g.add("lat", "EmptyHunyuanLatentVideo", (a, 914), (320, 130), 640, 640, 81, 1)
+    g.add("ks_hi", "KSamplerAdvanced", (c, 0), (345, 334), "enable", 42, "fixed", 20, 3.5, "euler", "simple", 0, 10,
+          "enable", title="KSampler (Advanced): high noise, steps 0-10")
+    g.add("ks_lo", "KSamplerAdvanced", (c, 380), (345, 334), "disable", 0, "fixed", 20, 3.5, "euler", "simple", 10,
+          10000, "disable", title="KSampler (Advanced): low noise, steps 10-20")
+    g.add("dec", "VAEDecode", (c, 760), (140, 46))
+    g.add("save", "SaveAnimatedWEBP", (c, 852), (345, 180), "video/layerwise_offload_wan22", 16.0, False, 90,
+          "default")
+    g.link("high>off_hi.model low>off_lo.model off_hi>ms_hi.model off_lo>ms_lo.model ms_hi>ks_hi.model "
+           "ms_lo>ks_lo.model clip>pos.clip clip>neg.clip pos>ks_hi.positive neg>ks_hi.negative pos>ks_lo.positive "
+           "neg>ks_lo.negative lat>ks_hi.latent_image ks_hi>ks_lo.latent_image ks_lo>dec.samples vae>dec.vae "
+           "dec>save.images")
+    stats(g, (b, 524), "off_hi", "ks_hi", title="Layerwise Offload Stats (high noise)")
+    stats(g, (b, 816), "off_lo", "ks_lo", title="Layerwise Offload Stats (low noise)")
+    key = {"fp16": "wan22_t2v_a14b", "fp8_scaled": "wan22_t2v_a14b_fp8", "gguf": "wan22_t2v_a14b_gguf"}[quant]
+    plan = plan_note(key, "640x640, 81 frames")
+    others = ("`umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text_encoders,\n`wan_2.1_vae.safetensors` in "
+              "models/vae.\n")
+    if quant == "gguf":
+        return note(g, 1052, f"""### Wan 2.2 T2V A14B, GGUF Q4_K_M (two experts)
+
+**Needs city96's ComfyUI-GGUF** custom nodes (the *Unet Loader (GGUF)* nodes): install "ComfyUI-GGUF" from
+ComfyUI Manager, or `git clone https://github.com/city96/ComfyUI-GGUF` into ComfyUI/custom_nodes and
+`pip install gguf` with ComfyUI's Python, then restart ComfyUI. Without it the two loaders show as missing nodes.
+
+In Q4_K_M a block is about a third of its fp16 size, and the offload streams it at that size (ComfyUI-GGUF
+dequantizes it on the GPU as it runs), so auto keeps about three times as many blocks resident as with fp16.
+Other quantizations of the same repository (Q8_0, Q5_K_M, ...) work the same way: pick them in the loaders.
+
+{plan}
+
+Files: `{WAN22_GGUF_FILES["high"]}` (folder HighNoise) and `{WAN22_GGUF_FILES["low"]}`
+(folder LowNoise) from {WAN22_GGUF_REPO} in **models/unet** or models/diffusion_models (ComfyUI-GGUF lists
+the .gguf files of both), {others}""", width=420)
+    heading = {"fp16": """### Wan 2.2 T2V A14B (two fp16 experts)
 
 The experts run one after the other (high noise for steps 0-10, low noise for 10-20), each through its own
 Layerwise Offload node, so `resident_layers` is for ONE expert: when the low-noise expert needs the room,
-ComfyUI unloads the high-noise one (its resident blocks included).
+ComfyUI unloads the high-noise one (its resident blocks included).""",
+               "fp8_scaled": """### Wan 2.2 T2V A14B, fp8 (two experts)
 
-""" + plan_note("wan22_t2v_a14b", "640x640, 81 frames") + """
+ComfyUI's fp8 "scaled" files: each block is half its fp16 size, and the offload streams it at that size, so
+auto keeps about twice as many blocks resident as with fp16."""}[quant]
+    note(g, 1052, f"""{heading}
 
-Files: `wan2.2_t2v_high_noise_14B_fp16.safetensors` and `wan2.2_t2v_low_noise_14B_fp16.safetensors` in
-models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text_encoders,
-`wan_2.1_vae.safetensors` in models/vae.
-""", size=(WAN22_NOTE_WIDTH, 1052))
-    return g.to_json()
+{plan}
+
+Files: `wan2.2_t2v_high_noise_14B_{quant}.safetensors` and `wan2.2_t2v_low_noise_14B_{quant}.safetensors` in
+models/diffusion_models, {others}""", width=420)
 
 
-def qwen_image() -> Dict[str, Any]:
-    g = Graph(_wid("qwen_image"))
-    unet = g.add(LOADER, (COL_A, 0), ["qwen_image_fp8_e4m3fn.safetensors", "default"], size=(340, 82),
-                 color=LOADER_COLOR)
-    clip = g.add("CLIPLoader", (COL_A, 128), ["qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image", "default"],
-                 size=(340, 106), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (COL_A, 280), ["qwen_image_vae.safetensors"], size=(340, 58), color=LOADER_COLOR)
-    off = _offload(g, (COL_A, 394))
-    ms = g.add("ModelSamplingAuraFlow", (COL_B, 0), [3.1], size=(320, 58))
-    pos, neg = _prompt_pair(g, COL_B, 104, "a cozy bookshop window at night, warm light, a hand-painted sign that "
-                            "reads \"Layerwise Offload\"", "", negative_height=120)
-    lat = g.add("EmptySD3LatentImage", (COL_B, 476), [1328, 1328, 1], size=(320, 106))
-    ks = g.add("KSampler", (COL_C, 0), [42, "fixed", 20, 2.5, "euler", "simple", 1.0], size=(320, 262))
-    dec = g.add("VAEDecode", (COL_C, 308), [], size=(210, 46))
-    save = g.add("SaveImage", (COL_C, 400), ["layerwise_offload/qwen_image"], size=(320, 340))
-    g.connect(unet, 0, off, "model")
-    g.connect(off, 0, ms, "model")
-    g.connect(ms, 0, ks, "model")
-    g.connect(clip, 0, pos, "clip")
-    g.connect(clip, 0, neg, "clip")
-    g.connect(pos, 0, ks, "positive")
-    g.connect(neg, 0, ks, "negative")
-    g.connect(lat, 0, ks, "latent_image")
-    g.connect(ks, 0, dec, "samples")
-    g.connect(vae, 0, dec, "vae")
-    g.connect(dec, 0, save, "images")
-    _stats(g, (COL_A, 604), off, ks)
-    _note(g, (0, 0), HOW_TO + """
-### Qwen-Image (fp8 e4m3fn)
+def qwen_image(g: Graph) -> None:
+    g.add("unet", LOADER_ID, (A, 0), (340, 82), "qwen_image_fp8_e4m3fn.safetensors", "default")
+    g.add("clip", "CLIPLoader", (A, 128), (340, 106), "qwen_2.5_vl_7b_fp8_scaled.safetensors", "qwen_image",
+          "default")
+    g.add("vae", "VAELoader", (A, 280), (340, 58), "qwen_image_vae.safetensors")
+    offload(g, "off", (A, 394))
+    g.add("ms", "ModelSamplingAuraFlow", (B, 0), (320, 58), 3.1)
+    prompts(g, B, 104, "a cozy bookshop window at night, warm light, a hand-painted sign that reads \"Layerwise "
+            "Offload\"", "", negative_height=120)
+    g.add("lat", "EmptySD3LatentImage", (B, 476), (320, 106), 1328, 1328, 1)
+    g.add("ks", "KSampler", (C, 0), (320, 262), 42, "fixed", 20, 2.5, "euler", "simple", 1.0)
+    g.add("dec", "VAEDecode", (C, 308), (210, 46))
+    g.add("save", "SaveImage", (C, 400), (320, 340), "layerwise_offload/qwen_image")
+    g.link(ONE_MODEL_LINKS)
+    stats(g, (A, 604), "off", "ks")
+    note(g, 840, f"""### Qwen-Image (fp8 e4m3fn)
 
-""" + plan_note("qwen_image", "1328x1328") + """
+{plan_note("qwen_image", "1328x1328")}
 For reference, SGLang measured 34 of 60 resident blocks at 1.67x the speed of streaming all of them (RTX 5090).
 
 Files: `qwen_image_fp8_e4m3fn.safetensors` in models/diffusion_models, `qwen_2.5_vl_7b_fp8_scaled.safetensors` in
 models/text_encoders, `qwen_image_vae.safetensors` in models/vae.
-""", size=(NOTE_WIDTH, 840))
-    return g.to_json()
+""")
 
 
-def hunyuan_video() -> Dict[str, Any]:
-    g = Graph(_wid("hunyuan_video"))
-    unet = g.add(LOADER, (COL_A, 0), ["hunyuan_video_t2v_720p_bf16.safetensors", "default"], size=(340, 82),
-                 color=LOADER_COLOR)
-    clip = g.add("DualCLIPLoader", (COL_A, 128),
-                 ["clip_l.safetensors", "llava_llama3_fp8_scaled.safetensors", "hunyuan_video", "default"],
-                 size=(340, 130), color=LOADER_COLOR)
-    vae = g.add("VAELoader", (COL_A, 304), ["hunyuan_video_vae_bf16.safetensors"], size=(340, 58),
-                color=LOADER_COLOR)
-    off = _offload(g, (COL_A, 418), prefetch=2)
-    pos = g.add("CLIPTextEncode", (COL_B, 0), [
-        "a cat walks on the grass, realistic style, soft afternoon light"],
-        size=(320, 160), title="CLIP Text Encode (Positive Prompt)")
-    guid = g.add("FluxGuidance", (COL_B, 206), [6.0], size=(320, 58))
-    ms = g.add("ModelSamplingSD3", (COL_B, 310), [7.0], size=(320, 58))
-    lat = g.add("EmptyHunyuanLatentVideo", (COL_B, 414), [848, 480, 73, 1], size=(320, 130))
-    noise = g.add("RandomNoise", (COL_B, 590), [42, "fixed"], size=(320, 82))
-    sampler = g.add("KSamplerSelect", (COL_B, 718), ["euler"], size=(320, 58))
-    sched = g.add("BasicScheduler", (COL_B, 822), ["simple", 20, 1.0], size=(320, 106))
-    guider = g.add("BasicGuider", (COL_C, 0), [], size=(240, 46))
-    sca = g.add("SamplerCustomAdvanced", (COL_C, 92), [], size=(320, 326))
-    dec = g.add("VAEDecodeTiled", (COL_C, 464), [256, 64, 64, 8], size=(320, 150))
-    save = g.add("SaveAnimatedWEBP", (COL_C, 660), ["video/layerwise_offload_hunyuan", 24.0, False, 90, "default"],
-                 size=(320, 180))
-    g.connect(unet, 0, off, "model")
-    g.connect(off, 0, ms, "model")
-    g.connect(ms, 0, guider, "model")
-    g.connect(ms, 0, sched, "model")
-    g.connect(clip, 0, pos, "clip")
-    g.connect(pos, 0, guid, "conditioning")
-    g.connect(guid, 0, guider, "conditioning")
-    g.connect(noise, 0, sca, "noise")
-    g.connect(guider, 0, sca, "guider")
-    g.connect(sampler, 0, sca, "sampler")
-    g.connect(sched, 0, sca, "sigmas")
-    g.connect(lat, 0, sca, "latent_image")
-    g.connect(sca, 0, dec, "samples")
-    g.connect(vae, 0, dec, "vae")
-    g.connect(dec, 0, save, "images")
-    _stats(g, (COL_A, 628), off, sca)
-    _note(g, (0, 0), HOW_TO + """
-### HunyuanVideo T2V 720p (bf16)
+def hunyuan_video(g: Graph) -> None:
+    g.add("unet", LOADER_ID, (A, 0), (340, 82), "hunyuan_video_t2v_720p_bf16.safetensors", "default")
+    g.add("clip", "DualCLIPLoader", (A, 128), (340, 130), "clip_l.safetensors", "llava_llama3_fp8_scaled.safetensors",
+          "hunyuan_video", "default")
+    g.add("vae", "VAELoader", (A, 304), (340, 58), "hunyuan_video_vae_bf16.safetensors")
+    offload(g, "off", (A, 418), prefetch=2)
+    g.add("pos", "CLIPTextEncode", (B, 0), (320, 160), "a cat walks on the grass, realistic style, soft afternoon "
+          "light", title=POSITIVE)
+    g.add("guid", "FluxGuidance", (B, 206), (320, 58), 6.0)
+    g.add("ms", "ModelSamplingSD3", (B, 310), (320, 58), 7.0)
+    g.add("lat", "EmptyHunyuanLatentVideo", (B, 414), (320, 130), 848, 480, 73, 1)
+    g.add("noise", "RandomNoise", (B, 590), (320, 82), 42, "fixed")
+    g.add("sampler", "KSamplerSelect", (B, 718), (320, 58), "euler")
+    g.add("sched", "BasicScheduler", (B, 822), (320, 106), "simple", 20, 1.0)
+    g.add("guider", "BasicGuider", (C, 0), (240, 46))
+    g.add("sca", "SamplerCustomAdvanced", (C, 92), (320, 326))
+    g.add("dec", "VAEDecodeTiled", (C, 464), (320, 150), 256, 64, 64, 8)
+    g.add("save", "SaveAnimatedWEBP", (C, 660), (320, 180), "video/layerwise_offload_hunyuan", 24.0, False, 90,
+          "default")
+    g.link("unet>off.model off>ms.model ms>guider.model ms>sched.model clip>pos.clip pos>guid.conditioning "
+           "guid>guider.conditioning noise>sca.noise guider>sca.guider sampler>sca.sampler sched>sca.sigmas "
+           "lat>sca.latent_image sca>dec.samples vae>dec.vae dec>save.images")
+    stats(g, (A, 628), "off", "sca")
+    note(g, 928, f"""### HunyuanVideo T2V 720p (bf16)
 
-""" + plan_note("hunyuan_video", "848x480, 73 frames with `prefetch_size = 2`") + """
+{plan_note("hunyuan_video", "848x480, 73 frames with `prefetch_size = 2`")}
 Lower `tile_size` in VAE Decode (Tiled) if decoding runs out of memory.
 
 Files: `hunyuan_video_t2v_720p_bf16.safetensors` in models/diffusion_models, `clip_l.safetensors` and
 `llava_llama3_fp8_scaled.safetensors` in models/text_encoders, `hunyuan_video_vae_bf16.safetensors` in models/vae.
-""", size=(NOTE_WIDTH, 928))
-    return g.to_json()
+""")
 
 
-def tiny_demo() -> Dict[str, Any]:
-    g = Graph(_wid("tiny_wan21_demo"))
-    # Columns: the note; loaders, offload and what feeds the sampler; sampler, decode and stats; outputs.
-    a, b, c = TINY_NOTE_WIDTH + GAP, TINY_NOTE_WIDTH + 2 * GAP + 350, TINY_NOTE_WIDTH + 3 * GAP + 350 + 320
-    unet = g.add("UNETLoader", (a, 0), ["layerwise_offload_tiny_wan21.safetensors", "default"], size=(350, 82),
-                 color=LOADER_COLOR)
-    data = g.add("LoadTrainingDataset", (a, 128), ["layerwise_offload_tiny_wan21_cond"], size=(350, 82),
-                 title="Tiny conditioning (stands in for a text encoder)")
-    vae = g.add("VAELoader", (a, 256), ["layerwise_offload_tiny_wan21_vae.safetensors"], size=(350, 58),
-                color=LOADER_COLOR)
-    off = _offload(g, (a, 370))
-    ms = g.add("ModelSamplingSD3", (a, 570), [8.0], size=(320, 58))
-    neg = g.add("ConditioningZeroOut", (a, 674), [], size=(320, 26))
-    lat = g.add("EmptyHunyuanLatentVideo", (a, 746), [64, 64, 5, 1], size=(320, 130))
-    ks = g.add("KSampler", (b, 0), [42, "fixed", 4, 2.0, "euler", "simple", 1.0], size=(320, 262))
-    save_lat = g.add("SaveLatent", (c, 0), ["layerwise_offload/tiny_wan21"], size=(320, 58))
-    dec = g.add("VAEDecode", (b, 308), [], size=(210, 46))
-    save = g.add("SaveImage", (c, 104), ["layerwise_offload/tiny_wan21"], size=(320, 300))
-    g.connect(unet, 0, off, "model")
-    g.connect(off, 0, ms, "model")
-    g.connect(ms, 0, ks, "model")
-    g.connect(data, 1, ks, "positive")
-    g.connect(data, 1, neg, "conditioning")
-    g.connect(neg, 0, ks, "negative")
-    g.connect(lat, 0, ks, "latent_image")
-    g.connect(ks, 0, save_lat, "samples")
-    g.connect(ks, 0, dec, "samples")
-    g.connect(vae, 0, dec, "vae")
-    g.connect(dec, 0, save, "images")
-    _stats(g, (b, 470), off, ks)
-    _note(g, (0, 0), _graph.TINY_DEMO_NOTE, size=(TINY_NOTE_WIDTH, 876))
-    return g.to_json()
+def tiny_demo(g: Graph) -> None:
+    a, b, c = 430, 810, 1160  # loaders, offload and what feeds the sampler; sampler, decode and stats; outputs
+    g.add("unet", "UNETLoader", (a, 0), (350, 82), "layerwise_offload_tiny_wan21.safetensors", "default")
+    g.add("data", "LoadTrainingDataset", (a, 128), (350, 82), "layerwise_offload_tiny_wan21_cond",
+          title="Tiny conditioning (stands in for a text encoder)")
+    g.add("vae", "VAELoader", (a, 256), (350, 58), "layerwise_offload_tiny_wan21_vae.safetensors")
+    offload(g, "off", (a, 370))
+    g.add("ms", "ModelSamplingSD3", (a, 570), (320, 58), 8.0)
+    g.add("neg", "ConditioningZeroOut", (a, 674), (320, 26))
+    g.add("lat", "EmptyHunyuanLatentVideo", (a, 746), (320, 130), 64, 64, 5, 1)
+    g.add("ks", "KSampler", (b, 0), (320, 262), 42, "fixed", 4, 2.0, "euler", "simple", 1.0)
+    g.add("save_lat", "SaveLatent", (c, 0), (320, 58), "layerwise_offload/tiny_wan21")
+    g.add("dec", "VAEDecode", (b, 308), (210, 46))
+    g.add("save", "SaveImage", (c, 104), (320, 300), "layerwise_offload/tiny_wan21")
+    g.link("unet>off.model off>ms.model ms>ks.model data:1>ks.positive data:1>neg.conditioning neg>ks.negative "
+           "lat>ks.latent_image ks>save_lat.samples ks>dec.samples vae>dec.vae dec>save.images")
+    stats(g, (b, 470), "off", "ks")
+    g.add("note", "MarkdownNote", (0, 0), (400, 876), TINY_DEMO_NOTE)
 
 
-def _refit(wf: Dict[str, Any]) -> Dict[str, Any]:
-    """``wf`` opening at the view that fits its nodes (a variant may resize its loaders)."""
-    wf["extra"]["ds"] = _graph.fitted_view(wf["nodes"])
-    return wf
-
-
-def wan22_t2v_a14b_fp8() -> Dict[str, Any]:
-    return _refit(_variants.wan22_fp8(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_fp8"),
-                                      plan_note("wan22_t2v_a14b_fp8", "640x640, 81 frames")))
-
-
-def wan22_t2v_a14b_gguf() -> Dict[str, Any]:
-    return _refit(_variants.wan22_gguf(wan22_t2v_a14b(), _wid("wan22_t2v_a14b_gguf"),
-                                       plan_note("wan22_t2v_a14b_gguf", "640x640, 81 frames")))
-
-
-_variants = _graph._sibling("workflow_variants")
-_cards, file_name, card_spec = _graph.cards, _graph.file_name, _graph.card_spec
-TINY_TITLE = "A tiny demo - random 4-block Wan 2.1, runs on any GPU or CPU"
 # (planner key, file title, card title, card subtitle, builder). ComfyUI's template browser (frontends 1.32 to
 # 1.58) shows a pack's template by its file name, as title and as description, in the order the server lists
 # the files, with <name>.jpg as its card picture; so the names say what each needs, and the tiny demo's name
 # sorts first.
 TEMPLATES = [
-    (None, TINY_TITLE, "A tiny demo", "random 4-block Wan 2.1, 19 MB", tiny_demo),
+    (None, "A tiny demo - random 4-block Wan 2.1, runs on any GPU or CPU", "A tiny demo",
+     "random 4-block Wan 2.1, 19 MB", tiny_demo),
     ("flux1_dev", "Flux.1 dev - text to image", "Flux.1 dev", "text to image, 1024x1024, bf16", flux1_dev),
     ("wan21_t2v_14b", "Wan 2.1 T2V 14B - text to video", "Wan 2.1 T2V 14B", "text to video, 832x480x33, bf16",
      wan21_t2v_14b),
     ("wan22_t2v_a14b", "Wan 2.2 T2V A14B - text to video, two experts", "Wan 2.2 T2V A14B",
      "two experts, 640x640x81, fp16", wan22_t2v_a14b),
     ("wan22_t2v_a14b_fp8", "Wan 2.2 T2V A14B fp8 - text to video, two experts", "Wan 2.2 A14B fp8",
-     "two experts, 640x640x81, fp8 scaled", wan22_t2v_a14b_fp8),
+     "two experts, 640x640x81, fp8 scaled", lambda g: wan22_t2v_a14b(g, "fp8_scaled")),
     ("wan22_t2v_a14b_gguf", "Wan 2.2 T2V A14B GGUF - text to video, two experts", "Wan 2.2 A14B GGUF",
-     "two experts, 640x640x81, Q4_K_M (ComfyUI-GGUF)", wan22_t2v_a14b_gguf),
+     "two experts, 640x640x81, Q4_K_M (ComfyUI-GGUF)", lambda g: wan22_t2v_a14b(g, "gguf")),
     ("qwen_image", "Qwen-Image - text to image", "Qwen-Image", "text to image, 1328x1328, fp8", qwen_image),
     ("hunyuan_video", "HunyuanVideo T2V 720p - text to video", "HunyuanVideo T2V", "text to video, 848x480x73, bf16",
      hunyuan_video),
 ]
 
 
-#: File name -> builder.
-WORKFLOWS = {file_name(key, title): build for key, title, _, _, build in TEMPLATES}
-readme_with_table = _graph.readme_with_table
-
-
-def render(build) -> str:
-    return json.dumps(build(), indent=2, ensure_ascii=False) + "\n"
+def render(key: Optional[str], build) -> str:
+    g = Graph(key or "tiny_wan21_demo")
+    build(g)
+    return json.dumps(g.to_json(), indent=2, ensure_ascii=False) + "\n"
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -381,36 +408,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    changed, wanted = [], set()
+    writes, wanted = {}, set()  # file name -> what writes it
     for key, title, card_title, subtitle, build in TEMPLATES:
-        name = file_name(key, title)
-        p, picture, spec = out / name, (out / name).with_suffix(".jpg"), card_spec(key, card_title, subtitle)
-        wanted |= {p.name, picture.name}
-        text = render(build)
-        if not p.is_file() or p.read_text(encoding="utf-8") != text:
-            changed.append(p.name)
-            if not a.check:
-                p.write_text(text, encoding="utf-8")
-        if not _cards.card_is_current(picture, spec):
-            changed.append(picture.name)
-            if not a.check:
-                _cards.write_card(picture, spec)
+        path = out / file_name(key, title)
+        picture, spec, text = path.with_suffix(".jpg"), card_spec(key, card_title, subtitle), render(key, build)
+        wanted |= {path.name, picture.name}
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            writes[path.name] = lambda path=path, text=text: path.write_text(text, encoding="utf-8")
+        if not cards.card_is_current(picture, spec):
+            writes[picture.name] = lambda picture=picture, spec=spec: cards.write_card(picture, spec)
     stale = sorted(f.name for f in out.iterdir() if f.suffix in (".json", ".jpg") and f.name not in wanted)
-    README = _graph.README
     readme = README.read_text(encoding="utf-8")
     if out == WORKFLOW_DIR and readme_with_table(readme) != readme:
-        changed.append(README.name)
-        if not a.check:
-            README.write_text(readme_with_table(readme), encoding="utf-8")
+        writes[README.name] = lambda: README.write_text(readme_with_table(readme), encoding="utf-8")
     if a.check:
-        for c in changed:
-            print(f"differs: {c}")
-        for c in stale:
-            print(f"not a template any more: {out / c}")
-        return 1 if changed or stale else 0
+        for name in writes:
+            print(f"differs: {name}")
+        for name in stale:
+            print(f"not a template any more: {out / name}")
+        return 1 if writes or stale else 0
+    for write in writes.values():
+        write()
     for c in stale:
         (out / c).unlink()
-    print(f"wrote {len(TEMPLATES)} workflows and their pictures to {out} ({len(changed)} changed, "
+    print(f"wrote {len(TEMPLATES)} workflows and their pictures to {out} ({len(writes)} changed, "
           f"{len(stale)} stale removed)")
     return 0
 
