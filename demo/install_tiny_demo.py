@@ -6,25 +6,17 @@ python_embeded\\python.exe), then open the template and press Run; no restart is
     cd ComfyUI/custom_nodes/layerwise-offload
     python demo/install_tiny_demo.py
 
-It finds that ComfyUI from its own location (custom_nodes/<this pack>/.. is the folder holding models/ and
-output/, both for a plain ComfyUI checkout and for a --base-directory such as ComfyUI Desktop's) and writes:
+It finds that ComfyUI from its own location (custom_nodes/<this pack>/.., for a checkout and for a
+--base-directory such as ComfyUI Desktop's) and writes the tiny Wan 2.1 T2V (4 blocks, random weights, 19 MB) into
+models/diffusion_models, its VAE into models/vae, and one T5-shaped conditioning (there is no tiny UMT5-XXL text
+encoder) where that ComfyUI's *Load Training Dataset* reads it: a folder of output/ (0.3.75, 0.14.1) or of
+datasets/ (0.33.0); both where the code beside models/ does not say. `--comfyui DIR` names the folder yourself,
+`--models-dir` / `--output-dir` / `--datasets-dir` override one each. Files already written by this version are
+kept (`--force` rewrites them).
 
-- models/diffusion_models/layerwise_offload_tiny_wan21.safetensors: a Wan 2.1 T2V with 4 blocks, random weights
-  (19 MB);
-- models/vae/layerwise_offload_tiny_wan21_vae.safetensors: a random Wan 2.1 VAE at width 8 (4 MB);
-- layerwise_offload_tiny_wan21_cond/ (shard_00000.pkl and metadata.json): one T5-shaped conditioning for the
-  core node *Load Training Dataset* (a real Wan needs the 5.7B UMT5-XXL text encoder, which has no tiny form),
-  where that node reads it: ComfyUI 0.3.75 and 0.14.1 read a folder of output/, 0.33.0 lists the folders of
-  datasets/ that hold a metadata.json. The ComfyUI code beside models/ says which; a folder without it (a
-  --base-directory such as ComfyUI Desktop's) gets both.
-
-`--comfyui DIR` names the folder yourself; `--models-dir` / `--output-dir` / `--datasets-dir` override one each
-(for ComfyUI started with --output-directory, say; a folder named so is always written). Files already written by
-this version are kept (`--force` rewrites them).
-
-Only torch and safetensors are needed (ComfyUI has both): the tensors' names and shapes are those of ComfyUI's own
-Wan 2.1 classes, listed in tiny_demo_tensors.json beside this file, so the script imports no ComfyUI code and runs
-the same for any ComfyUI layout. The weights come from fixed seeds: every run writes the same bytes.
+Only torch and safetensors are needed: the tensors' names and shapes (those of ComfyUI's own Wan 2.1 classes) are
+listed in tiny_demo_tensors.json beside this file, and the weights come from fixed seeds, so every run writes the
+same bytes.
 """
 
 from __future__ import annotations
@@ -118,7 +110,8 @@ def _tensor_specs() -> Dict[str, List[Tuple[str, List[int]]]]:
 def random_weights(specs: Sequence[Tuple[str, Sequence[int]]], seed: int):
     """Well-scaled random float32 weights for ``specs`` (name, shape), filled in sorted name order from one
     generator: matrices ~ N(0, 1/fan_in), 1-D norm weights/scales ~ 1 + N(0, 0.02), other 1-D ~ N(0, 0.02).
-    The same rule fills the tiny models the tests build in-process, so the files hold the same weights."""
+    devtools/tiny_dits.py fills the tiny models the tests build in-process with it too, so the files hold the same
+    weights."""
     import torch
 
     gen = torch.Generator(device="cpu").manual_seed(int(seed))

@@ -29,8 +29,6 @@ import contextlib
 import importlib
 import sys
 
-__all__ = ["available", "dynamic_vram", "enable", "disable", "init_library"]
-
 _saved = {}
 
 

@@ -17,9 +17,6 @@ from typing import Dict, Optional
 
 from .comfy_env import repo_root
 
-__all__ = ["GGUF_TARBALL", "PEER_NODES", "shared_dir", "peer_tarball", "unpack_peer", "install_available_peers",
-           "import_comfyui_gguf"]
-
 GGUF_TARBALL = "ComfyUI-GGUF-795e451.tar.gz"
 GGUF_FOLDER = "ComfyUI-GGUF"
 _GGUF_MODULE = "comfyui_gguf_peer"

@@ -19,18 +19,9 @@ from typing import Dict
 
 import torch
 
-from .tiny_dits import build_wan21
-
-__all__ = ["save_tiny_wan21_fp8_mixed", "save_tiny_wan21_gguf", "save_fp8_mixed", "save_gguf", "GGUF_TYPES",
-           "tiny_wan21_state_dict"]
+from .tiny_dits import save_safetensors, tiny_wan21_state_dict
 
 GGUF_TYPES = ("F16", "Q8_0", "Q5_0", "Q4_0")
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
-
-
-def tiny_wan21_state_dict(seed: int = 0) -> Dict[str, torch.Tensor]:
-    patcher = build_wan21(seed=seed)
-    return {k: v.detach().to("cpu").contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
 
 
 def _is_block_matrix(key: str, tensor: torch.Tensor) -> bool:
@@ -49,23 +40,14 @@ def save_fp8_mixed(sd: Dict[str, torch.Tensor], path: "os.PathLike | str", descr
     quantized = [k for k, v in sd.items() if _is_block_matrix(k, v) or (k.startswith("text_embedding.") and v.ndim == 2)]
     for key in quantized:
         weight = sd[key].float()
-        scale = (weight.abs().amax() / FP8_MAX).to(torch.float32)
+        scale = (weight.abs().amax() / torch.finfo(torch.float8_e4m3fn).max).to(torch.float32)
         sd[key] = (weight / scale).to(torch.float8_e4m3fn)
         layer = key[: -len(".weight")]
         sd[f"{layer}.weight_scale"] = scale
         layers[layer] = {"format": "float8_e4m3fn"}
     metadata = {"_quantization_metadata": json.dumps({"format_version": "1.0", "layers": layers}),
                 "layerwise_offload": description}
-    return _save_safetensors(sd, path, metadata)
-
-
-def _save_safetensors(sd, path, metadata) -> str:
-    import safetensors.torch
-
-    path = os.fspath(path)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    safetensors.torch.save_file(sd, path, metadata=metadata)
-    return path
+    return save_safetensors(sd, path, metadata)
 
 
 def save_tiny_wan21_gguf(path: "os.PathLike | str", qtype: str = "Q8_0", seed: int = 0) -> str:

@@ -4,20 +4,8 @@ Each builder returns a real ``comfy.model_patcher.ModelPatcher`` (what ``comfy.s
 and what a MODEL socket carries), with its weights on ComfyUI's offload device (the CPU), float32, filled from a
 fixed seed: two builds with the same seed are bitwise equal, and four Euler steps take well under a second.
 
-Families (``TINY_FAMILIES``) and the block lists their diffusion model has, in call order (DESIGN.md section 4):
-
-=============== ================================ ====================================================
-key             ComfyUI classes                  block lists (attribute on ``diffusion_model``)
-=============== ================================ ====================================================
-``wan21``       WAN21_T2V / model_base.WAN21     ``blocks`` (4)
-``flux``        Flux / model_base.Flux           ``double_blocks`` (2), ``single_blocks`` (3)
-``qwen_image``  QwenImage / model_base.QwenImage ``transformer_blocks`` (3)
-``hunyuan_video`` HunyuanVideo / model_base.HunyuanVideo ``double_blocks`` (2), ``single_blocks`` (2)
-``sd3``         SD3 / model_base.SD3             ``joint_blocks`` (3)
-``lumina2``     Lumina2 / model_base.Lumina2     ``context_refiner`` (2), ``noise_refiner`` (2), ``layers`` (3)
-``ltxv``        LTXV / model_base.LTXV           ``transformer_blocks`` (3); ``scale_shift_table`` on each block and on
-                                                 the model itself (parameters of non-leaf modules)
-=============== ================================ ====================================================
+The families (``TINY_FAMILIES``: wan21, flux, qwen_image, hunyuan_video, sd3, lumina2, ltxv) list the block lists
+their diffusion model has, in call order.
 
 The tiny Wan 2.1 has the shapes ComfyUI's detector understands (dim 256 = 2 heads of 128, text_dim 4096, ffn 512),
 so :func:`save_tiny_wan21` writes a ``.safetensors`` file that ``comfy.sd.load_diffusion_model`` loads as Wan 2.1
@@ -29,34 +17,14 @@ ComfyUI must be importable: this module calls :func:`.comfy_env.import_comfyui` 
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..demo.install_tiny_demo import random_weights
 from .comfy_env import import_comfyui, with_fields_this_comfyui_needs
-
-__all__ = [
-    "TinyFamily",
-    "TINY_FAMILIES",
-    "WAN21_TINY_CONFIG",
-    "build_tiny",
-    "build_wan21",
-    "build_flux",
-    "build_qwen_image",
-    "build_hunyuan_video",
-    "build_sd3",
-    "build_lumina2",
-    "build_ltxv",
-    "save_tiny_wan21",
-    "load_tiny_wan21",
-    "make_conditioning",
-    "block_lists",
-    "sample",
-    "init_tiny_weights",
-]
 
 Conditioning = List[List[Any]]  # ComfyUI CONDITIONING: [[cross_attn_tensor, {"pooled_output": ..., ...}], ...]
 
@@ -66,37 +34,21 @@ TEXT_TOKENS = 8
 
 # --------------------------------------------------------------------------------------------------- weights
 
-def _is_norm_scale(name: str, t: torch.Tensor) -> bool:
-    leaf = name.rsplit(".", 1)[-1]
-    return t.ndim == 1 and leaf in ("weight", "scale")
-
-
 @torch.no_grad()
 def init_tiny_weights(module: torch.nn.Module, seed: int, buffers: Sequence[str] = ()) -> torch.nn.Module:
-    """Fill every parameter of ``module`` (and the named ``buffers``) deterministically from ``seed``.
-
-    ComfyUI's ops skip weight init (``comfy.ops.disable_weight_init``), so a freshly built model holds whatever
-    ``torch.empty`` returned; this gives it well-scaled random weights instead: matrices ~ N(0, 1/fan_in),
-    1-D norm weights/scales ~ 1 + N(0, 0.02), biases and other 1-D parameters ~ N(0, 0.02). Parameters are filled in
-    sorted name order from one CPU generator, so the result depends only on ``seed`` and the parameter names/shapes.
-    """
-    gen = torch.Generator(device="cpu").manual_seed(int(seed))
-    named = dict(module.named_parameters())
+    """Fill every parameter of ``module`` (and the named ``buffers``) deterministically from ``seed``, by the rule
+    the shipped demo writer fills its files with (demo/install_tiny_demo.py ``random_weights``: in sorted name
+    order from one generator, so the result depends only on ``seed`` and the names and shapes). ComfyUI's ops skip
+    weight init, so a freshly built model holds whatever ``torch.empty`` returned."""
+    tensors = dict(module.named_parameters())
     all_buffers = dict(module.named_buffers())
     for b in buffers:
         if b not in all_buffers:
             raise KeyError(f"init_tiny_weights: no buffer {b!r} on {type(module).__name__}")
-        named[b] = all_buffers[b]
-    for name in sorted(named):
-        t = named[name]
-        if t.ndim >= 2:
-            fan_in = math.prod(t.shape[1:])
-            v = torch.randn(t.shape, generator=gen, dtype=torch.float32) * (fan_in ** -0.5)
-        elif _is_norm_scale(name, t):
-            v = 1.0 + 0.02 * torch.randn(t.shape, generator=gen, dtype=torch.float32)
-        else:
-            v = 0.02 * torch.randn(t.shape, generator=gen, dtype=torch.float32)
-        t.copy_(v.to(dtype=t.dtype, device=t.device))
+        tensors[b] = all_buffers[b]
+    values = random_weights([(name, list(t.shape)) for name, t in tensors.items()], seed)
+    for name, t in tensors.items():
+        t.copy_(values[name].to(dtype=t.dtype, device=t.device))
     return module
 
 
@@ -135,99 +87,31 @@ WAN21_TINY_CONFIG: Dict[str, Any] = dict(
 
 def build_wan21(seed: int = 0, dtype: torch.dtype = torch.float32):
     """Tiny Wan 2.1 t2v (4 ``blocks``, dim 256, 2 heads, text_dim 4096). Latent [B, 16, T, H, W]."""
-    return _build("WAN21_T2V", WAN21_TINY_CONFIG, seed, dtype)
-
-
-def build_flux(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Tiny Flux.1 dev (guidance embed; 2 ``double_blocks`` + 3 ``single_blocks``, hidden 64, 2 heads,
-    T5 context 64, pooled 32). Latent [B, 16, H, W]."""
-    return _build("Flux", dict(
-        image_model="flux", guidance_embed=True,
-        in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
-        hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=3,
-        axes_dim=[8, 12, 12], theta=10000, patch_size=2, qkv_bias=True,
-    ), seed, dtype)
-
-
-def build_qwen_image(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Tiny Qwen-Image (3 ``transformer_blocks``, 2 heads of 32, text 64). Latent [B, 16, 1, H, W]."""
-    return _build("QwenImage", dict(
-        image_model="qwen_image",
-        patch_size=2, in_channels=64, out_channels=16, num_layers=3,
-        attention_head_dim=32, num_attention_heads=2, joint_attention_dim=64,
-        axes_dims_rope=(8, 12, 12),
-    ), seed, dtype)
-
-
-def build_hunyuan_video(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Tiny HunyuanVideo (2 ``double_blocks`` + 2 ``single_blocks``, hidden 64, 2 heads, text 64, pooled 32,
-    guidance embed). Latent [B, 16, T, H, W]."""
-    return _build("HunyuanVideo", dict(
-        image_model="hunyuan_video",
-        in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
-        hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2,
-        axes_dim=[8, 12, 12], theta=256, patch_size=[1, 2, 2], qkv_bias=True,
-        guidance_embed=True, byt5=False, meanflow=False, use_cond_type_embedding=False, vision_in_dim=None,
-    ), seed, dtype)
-
-
-def build_sd3(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Tiny SD3 MMDiT (3 ``joint_blocks``, hidden 128 = 64 * depth 2, 2 heads, context 64, pooled 32).
-    Latent [B, 16, H, W]. Its ``pos_embed`` buffer (``torch.empty`` in ComfyUI) is filled from the seed too."""
-    return _build("SD3", dict(
-        in_channels=16, out_channels=16, patch_size=2, depth=2, num_blocks=3,
-        input_size=None, adm_in_channels=32,
-        context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 64, "out_features": 128}},
-        num_patches=256, pos_embed_max_size=16, pos_embed_scaling_factor=None,
-        qk_norm="rms", x_block_self_attn_layers=[],
-    ), seed, dtype, buffers=("pos_embed",))
-
-
-def build_lumina2(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Tiny Lumina 2 NextDiT (2 ``context_refiner`` + 2 ``noise_refiner`` + 3 ``layers``, dim 64, 2 heads / 1 kv
-    head, caption features 64). Latent [B, 16, H, W]."""
-    return _build("Lumina2", dict(
-        image_model="lumina2",
-        patch_size=2, in_channels=16, dim=64, n_layers=3, n_refiner_layers=2,
-        n_heads=2, n_kv_heads=1, multiple_of=16, ffn_dim_multiplier=4.0, norm_eps=1e-5, qk_norm=True,
-        cap_feat_dim=64, axes_dims=[8, 12, 12], axes_lens=[300, 512, 512], rope_theta=10000.0,
-    ), seed, dtype)
-
-
-def build_ltxv(seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Tiny LTX-Video (3 ``transformer_blocks``, 2 heads of 32, T5 context 64 with an integer attention mask).
-    Latent [B, 128, T, H, W]. Its blocks and the model hold ``scale_shift_table`` parameters beside child modules,
-    which ComfyUI's own load never patches."""
-    return _build("LTXV", dict(
-        image_model="ltxv", in_channels=128, cross_attention_dim=64, attention_head_dim=32,
-        num_attention_heads=2, caption_channels=64, num_layers=3,
-    ), seed, dtype)
+    return TINY_FAMILIES["wan21"].build(seed, dtype)
 
 
 # --------------------------------------------------------------------------------------------------- file round trip
 
-def save_tiny_wan21(path: "os.PathLike | str", seed: int = 0) -> str:
-    """Write the tiny Wan 2.1 (:func:`build_wan21` with ``seed``) as a ``.safetensors`` diffusion model (keys as in
-    the official checkpoints: ``blocks.0.self_attn.q.weight``, ``head.modulation``, ...), float32. Returns the path.
-    ``comfy.sd.load_diffusion_model(path)`` (the UNETLoader node) detects it as Wan 2.1 t2v."""
+def tiny_wan21_state_dict(seed: int = 0) -> Dict[str, torch.Tensor]:
+    """The weights of :func:`build_wan21` (keys as in the official checkpoints: ``blocks.0.self_attn.q.weight``,
+    ``head.modulation``, ...), float32, on the CPU."""
+    sd = build_wan21(seed=seed).model.diffusion_model.state_dict()
+    return {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
+
+
+def save_safetensors(sd: Dict[str, torch.Tensor], path: "os.PathLike | str", metadata: Dict[str, str]) -> str:
     import safetensors.torch
 
-    patcher = build_wan21(seed=seed)
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
     path = os.fspath(path)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    safetensors.torch.save_file(sd, path, metadata={"layerwise_offload": "tiny wan2.1 t2v test model"})
+    safetensors.torch.save_file(sd, path, metadata=metadata)
     return path
 
 
-def load_tiny_wan21(path: "os.PathLike | str"):
-    """Load a file written by :func:`save_tiny_wan21` through ``comfy.sd.load_diffusion_model`` (float32), the same
-    path the UNETLoader node takes. Returns the ModelPatcher."""
-    env = import_comfyui()
-    patcher = env.sd.load_diffusion_model(os.fspath(path), model_options={"dtype": torch.float32})
-    if patcher is None:
-        raise RuntimeError(f"comfy.sd.load_diffusion_model did not recognise {path}")
-    return patcher
+def save_tiny_wan21(path: "os.PathLike | str", seed: int = 0) -> str:
+    """The tiny Wan 2.1 as a ``.safetensors`` diffusion model, which ``comfy.sd.load_diffusion_model`` (the
+    UNETLoader node) detects as Wan 2.1 t2v. Returns the path."""
+    return save_safetensors(tiny_wan21_state_dict(seed), path, {"layerwise_offload": "tiny wan2.1 t2v test model"})
 
 
 # --------------------------------------------------------------------------------------------------- conditioning
@@ -260,52 +144,75 @@ def _cond_factory(context_dim: int, pooled_dim: Optional[int] = None, guidance: 
 
 @dataclass(frozen=True)
 class TinyFamily:
-    """One tiny model family: ``build(seed=0, dtype=float32) -> ModelPatcher``, the ``latent_shape`` to sample,
+    """One tiny model family: its ComfyUI config class and tiny ``unet_config``, the ``latent_shape`` to sample,
     ``conditioning(seed=0) -> (positive, negative)`` CONDITIONING lists with the right dims, and the names of its
     block lists on ``patcher.model.diffusion_model`` in call order, with their lengths."""
     name: str
-    build: Callable[..., Any]
+    comfy_config: str  # class name in comfy.supported_models
+    unet_config: Dict[str, Any]
     latent_shape: Tuple[int, ...]
     conditioning: Callable[..., Tuple[Conditioning, Conditioning]]
     block_lists: Tuple[str, ...]
     block_counts: Tuple[int, ...]
-    comfy_config: str  # class name in comfy.supported_models
     notes: str = ""
+    buffers: Tuple[str, ...] = ()  # buffers ComfyUI leaves as torch.empty, filled from the seed too
+
+    def build(self, seed: int = 0, dtype: torch.dtype = torch.float32):
+        return _build(self.comfy_config, self.unet_config, seed, dtype, self.buffers)
 
     @property
     def num_blocks(self) -> int:
         return sum(self.block_counts)
 
 
-TINY_FAMILIES: Dict[str, TinyFamily] = {
-    f.name: f for f in (
-        TinyFamily("wan21", build_wan21, (1, 16, 2, 8, 8), _cond_factory(4096),
-                   ("blocks",), (4,), "WAN21_T2V", "T5 context 4096 (as detected from files)"),
-        TinyFamily("flux", build_flux, (1, 16, 16, 16), _cond_factory(64, pooled_dim=32, guidance=3.5),
-                   ("double_blocks", "single_blocks"), (2, 3), "Flux", "guidance 3.5 in the conditioning"),
-        TinyFamily("qwen_image", build_qwen_image, (1, 16, 1, 16, 16), _cond_factory(64),
-                   ("transformer_blocks",), (3,), "QwenImage", "5-D latent with T=1 (Wan 2.1 latent format)"),
-        TinyFamily("hunyuan_video", build_hunyuan_video, (1, 16, 2, 8, 8),
-                   _cond_factory(64, pooled_dim=32, guidance=6.0),
-                   ("double_blocks", "single_blocks"), (2, 2), "HunyuanVideo", "pooled 32, guidance 6.0"),
-        TinyFamily("sd3", build_sd3, (1, 16, 16, 16), _cond_factory(64, pooled_dim=32),
-                   ("joint_blocks",), (3,), "SD3", "pooled 32 (adm_in_channels)"),
-        TinyFamily("lumina2", build_lumina2, (1, 16, 16, 16), _cond_factory(64),
-                   ("context_refiner", "noise_refiner", "layers"), (2, 2, 3), "Lumina2",
-                   "context_refiner runs on the text first, then noise_refiner on the image, then layers"),
-        TinyFamily("ltxv", build_ltxv, (1, 128, 2, 4, 4), _cond_factory(64, attention_mask=True),
-                   ("transformer_blocks",), (3,), "LTXV", "scale_shift_table on blocks and model (non-leaf)"),
-    )
-}
+TINY_FAMILIES: Dict[str, TinyFamily] = {f.name: f for f in (
+    TinyFamily("wan21", "WAN21_T2V", WAN21_TINY_CONFIG, (1, 16, 2, 8, 8), _cond_factory(4096), ("blocks",), (4,),
+               "T5 context 4096 (as detected from files)"),
+    TinyFamily("flux", "Flux", dict(
+        image_model="flux", guidance_embed=True, in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
+        hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=3, axes_dim=[8, 12, 12],
+        theta=10000, patch_size=2, qkv_bias=True,
+    ), (1, 16, 16, 16), _cond_factory(64, pooled_dim=32, guidance=3.5), ("double_blocks", "single_blocks"), (2, 3),
+        "hidden 64, 2 heads, T5 context 64, pooled 32, guidance 3.5 in the conditioning"),
+    TinyFamily("qwen_image", "QwenImage", dict(
+        image_model="qwen_image", patch_size=2, in_channels=64, out_channels=16, num_layers=3, attention_head_dim=32,
+        num_attention_heads=2, joint_attention_dim=64, axes_dims_rope=(8, 12, 12),
+    ), (1, 16, 1, 16, 16), _cond_factory(64), ("transformer_blocks",), (3,),
+        "2 heads of 32, text 64; 5-D latent with T=1 (Wan 2.1 latent format)"),
+    TinyFamily("hunyuan_video", "HunyuanVideo", dict(
+        image_model="hunyuan_video", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=64,
+        hidden_size=64, mlp_ratio=4.0, num_heads=2, depth=2, depth_single_blocks=2, axes_dim=[8, 12, 12], theta=256,
+        patch_size=[1, 2, 2], qkv_bias=True, guidance_embed=True, byt5=False, meanflow=False,
+        use_cond_type_embedding=False, vision_in_dim=None,
+    ), (1, 16, 2, 8, 8), _cond_factory(64, pooled_dim=32, guidance=6.0), ("double_blocks", "single_blocks"), (2, 2),
+        "hidden 64, 2 heads, text 64, pooled 32, guidance 6.0"),
+    TinyFamily("sd3", "SD3", dict(
+        in_channels=16, out_channels=16, patch_size=2, depth=2, num_blocks=3, input_size=None, adm_in_channels=32,
+        context_embedder_config={"target": "torch.nn.Linear", "params": {"in_features": 64, "out_features": 128}},
+        num_patches=256, pos_embed_max_size=16, pos_embed_scaling_factor=None, qk_norm="rms",
+        x_block_self_attn_layers=[],
+    ), (1, 16, 16, 16), _cond_factory(64, pooled_dim=32), ("joint_blocks",), (3,),
+        "MMDiT, hidden 128 = 64 * depth 2, 2 heads, context 64, pooled 32 (adm_in_channels)", ("pos_embed",)),
+    TinyFamily("lumina2", "Lumina2", dict(
+        image_model="lumina2", patch_size=2, in_channels=16, dim=64, n_layers=3, n_refiner_layers=2, n_heads=2,
+        n_kv_heads=1, multiple_of=16, ffn_dim_multiplier=4.0, norm_eps=1e-5, qk_norm=True, cap_feat_dim=64,
+        axes_dims=[8, 12, 12], axes_lens=[300, 512, 512], rope_theta=10000.0,
+    ), (1, 16, 16, 16), _cond_factory(64), ("context_refiner", "noise_refiner", "layers"), (2, 2, 3),
+        "context_refiner runs on the text first, then noise_refiner on the image, then layers"),
+    TinyFamily("ltxv", "LTXV", dict(
+        image_model="ltxv", in_channels=128, cross_attention_dim=64, attention_head_dim=32, num_attention_heads=2,
+        caption_channels=64, num_layers=3,
+    ), (1, 128, 2, 4, 4), _cond_factory(64, attention_mask=True), ("transformer_blocks",), (3,),
+        "T5 context 64 with an integer attention mask; scale_shift_table parameters on the blocks and the model "
+        "beside child modules (non-leaf), which ComfyUI's own load never patches"),
+)}
 
 
 def build_tiny(family: str, seed: int = 0, dtype: torch.dtype = torch.float32):
     """``TINY_FAMILIES[family].build(seed=seed, dtype=dtype)`` with a helpful error for unknown names."""
-    try:
-        fam = TINY_FAMILIES[family]
-    except KeyError:
-        raise KeyError(f"unknown tiny family {family!r}; known: {sorted(TINY_FAMILIES)}") from None
-    return fam.build(seed=seed, dtype=dtype)
+    if family not in TINY_FAMILIES:
+        raise KeyError(f"unknown tiny family {family!r}; known: {sorted(TINY_FAMILIES)}")
+    return TINY_FAMILIES[family].build(seed=seed, dtype=dtype)
 
 
 def make_conditioning(family: str, seed: int = 0) -> Tuple[Conditioning, Conditioning]:
@@ -313,15 +220,18 @@ def make_conditioning(family: str, seed: int = 0) -> Tuple[Conditioning, Conditi
     return TINY_FAMILIES[family].conditioning(seed)
 
 
+def _family_of(patcher) -> Optional[str]:
+    """The tiny family whose ComfyUI config class built ``patcher``, or None."""
+    name = type(patcher.model.model_config).__name__
+    return next((f.name for f in TINY_FAMILIES.values() if f.comfy_config == name), None)
+
+
 def block_lists(patcher, family: Optional[str] = None) -> Dict[str, torch.nn.ModuleList]:
     """The block lists of a tiny model's diffusion model, ``{attribute: ModuleList}`` in call order. ``family``
     defaults to the one whose ComfyUI config class built ``patcher``."""
+    family = family or _family_of(patcher)
     if family is None:
-        cfg_name = type(patcher.model.model_config).__name__
-        matches = [f for f in TINY_FAMILIES.values() if f.comfy_config == cfg_name]
-        if not matches:
-            raise KeyError(f"no tiny family for ComfyUI config {cfg_name}")
-        family = matches[0].name
+        raise KeyError(f"no tiny family for ComfyUI config {type(patcher.model.model_config).__name__}")
     dm = patcher.get_model_object("diffusion_model")
     out = {}
     for attr in TINY_FAMILIES[family].block_lists:
@@ -347,10 +257,7 @@ def sample(patcher, latent: "torch.Tensor | Sequence[int] | None" = None, seed: 
     built ``patcher`` (see :func:`block_lists`).
     """
     env = import_comfyui()
-    if family is None:
-        cfg_name = type(patcher.model.model_config).__name__
-        matches = [f for f in TINY_FAMILIES.values() if f.comfy_config == cfg_name]
-        family = matches[0].name if matches else None
+    family = family or _family_of(patcher)
     if latent is None or not isinstance(latent, torch.Tensor):
         if latent is None:
             if family is None:
