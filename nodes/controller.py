@@ -23,6 +23,7 @@ from ..offload import (HostEnvironment, LayerwiseOffloadManager, OffloadConfig, 
                        choose_resident_blocks, cuda_graph_refusal, describe, format_bytes, forward_activation_bytes,
                        largest_fitting, normalize_device, plan_residency, point_param_at, resolve_resident_count,
                        return_freed_host_memory, weight_nbytes)
+from ..offload import SETTINGS, ModelCosts, block_flops, choose_plan, gpu_for
 from .advice import activation_words, recommend
 from .discovery import DiscoveredBlocks
 from .host_ram import compact_backups, comfyui_disk_folder, comfyui_pin_cap_left, comfyui_pinner, packing_progress_bar
@@ -70,7 +71,7 @@ def _gib(nbytes: int) -> str:
 
 class OffloadController:
     def __init__(self, base_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
-                 config: OffloadConfig, auto: bool = False):
+                 config: OffloadConfig, auto: bool = False, auto_setting: bool = False):
         self.base_model = base_model  # ComfyUI's BaseModel: holds ``diffusion_model``
         self.diffusion_model = base_model.diffusion_model
         self.discovered = discovered
@@ -79,8 +80,12 @@ class OffloadController:
         # that runs it without our hooks (a sibling clone without offload, for instance). With a LoRA
         # applied on the device those are the unpatched originals, which ComfyUI's backups view too.
         self.config = dataclasses.replace(config, released_params="host")
-        # Auto mode: the resident count is chosen at the first forward of each run (see _plan_auto).
+        # Auto mode: the resident count is chosen at the first forward of each run (see _plan_run); with
+        # auto_setting (residency_policy auto) the policy and prefetch depth too, prefetch never below the node's.
         self.auto = auto
+        self.auto_setting = auto_setting
+        self.prefetch_floor = config.prefetch_size
+        self.last_choice = None
         self._auto_planned_this_run = False
         self.last_plan = None
         self.last_report = None  # the last run's RunReport (run_report.py)
@@ -264,9 +269,12 @@ class OffloadController:
         return freed
 
     # ----------------------------------------------------------------- sampling
-    def _plan_auto(self, x: torch.Tensor, patcher=None) -> None:
-        """Keep as many leading blocks as fit in what ComfyUI says is free on the device now, next to the
-        activations of this latent (the measured model of offload/activation_model.py) and ComfyUI's reserve."""
+    def _plan_run(self, x: torch.Tensor, patcher=None) -> None:
+        """At a run's first forward, where the latent is known: auto's resident count (as many blocks as fit in what
+        ComfyUI says is free on the device now, next to this latent's activations, offload/activation_model.py, and
+        ComfyUI's reserve) and, with residency_policy auto, the policy and prefetch depth the timing model predicts
+        fastest on this card (offload/timing_model.py; leading with the node's prefetch_size where no card is
+        known, as on the CPU loopback)."""
         held = self.manager.device_bytes()  # ours already: a new plan may reuse it
         # Newer ComfyUI asks the patcher (it adds what dynamic-VRAM models could give back).
         ask = getattr(patcher, "get_free_memory", None)
@@ -282,16 +290,50 @@ class OffloadController:
         activations = forward_activation_bytes(
             type(self.diffusion_model).__name__, self._hidden_size(), max(1, x[0, 0].numel()),
             batch=max(1, x.shape[0]), dtype_bytes=self._compute_dtype_bytes(x), latent_channels=x.shape[1])
-        plan = plan_residency(self.manager.block_nbytes(), free, reserve_bytes=reserve,
-                              activation_bytes=activations.nbytes + self.device_lora_scratch,
-                              prefetch_size=self.config.prefetch_size,
-                              policy=self.config.policy)
-        if plan != self.last_plan:
-            log.info("%s; activations %s (%s, %d tokens x %d)", describe(plan), format_bytes(activations.nbytes),
-                     activation_words(activations.source), activations.tokens, x.shape[0])
-        self.last_plan = plan
+        sizes = self.manager.block_nbytes()
+        gpu = gpu_for(self.device) if self.auto_setting else None
+        settings = ([(policy, prefetch) for policy, prefetch in SETTINGS if prefetch >= self.prefetch_floor]
+                    if gpu is not None else [(self.config.policy, self.config.prefetch_size)])
+
+        def plan_for(policy: str, prefetch: int):
+            return plan_residency(sizes, free, reserve_bytes=reserve,
+                                  activation_bytes=activations.nbytes + self.device_lora_scratch,
+                                  prefetch_size=prefetch, policy=policy)
+        plans = {setting: plan_for(*setting) for setting in settings}
+        if self.auto:
+            candidates = [(policy, prefetch, plan.resident_count) for (policy, prefetch), plan in plans.items()
+                          if plan.fits]
+        else:
+            count = resolve_resident_count(self._effective_config().resident_layers, len(sizes))
+            budget = free - reserve - activations.nbytes - self.device_lora_scratch
+            candidates = [(policy, prefetch, count) for policy, prefetch in settings
+                          if Schedule(choose_resident_blocks(len(sizes), count, policy)).device_bytes(
+                              sizes, prefetch) <= budget]
+        first = settings[0]
+        chosen = (first[0], first[1], plans[first].resident_count if self.auto else None)
+        if gpu is not None and len(candidates) > 1:
+            costs = ModelCosts(tuple(sizes), tuple(block_flops(b, activations.tokens, x.shape[0])
+                                                   for b in self.discovered.blocks))
+            choice = choose_plan(costs, gpu, candidates)
+            chosen = (choice.policy, choice.prefetch, choice.resident_count)
+            if chosen != self.last_choice:
+                log.info("[layerwise-offload] %s: %s, prefetch %d, %d resident predicted %.2fx the bound "
+                         "(max(compute, streamed bytes / H2D)) on %s", "auto" if self.auto else "residency_policy auto",
+                         choice.policy, choice.prefetch, choice.resident_count, choice.prediction.ratio, gpu.name)
+        elif len(candidates) == 1:
+            chosen = candidates[0]
+        self.last_choice = chosen
+        policy, prefetch, count = chosen
+        changes = dict(policy=policy, prefetch_size=prefetch)
+        if self.auto:
+            plan = plans[(policy, prefetch)]
+            if plan != self.last_plan:
+                log.info("%s; activations %s (%s, %d tokens x %d)", describe(plan), format_bytes(activations.nbytes),
+                         activation_words(activations.source), activations.tokens, x.shape[0])
+            self.last_plan = plan
+            changes["resident_layers"] = plan.resident_count
         self.last_activations = activations
-        self.config = dataclasses.replace(self.config, resident_layers=plan.resident_count)
+        self.config = dataclasses.replace(self.config, **changes)
 
     def _compute_dtype_bytes(self, x: torch.Tensor) -> int:
         """The model computes in its own dtype (the latent arrives in float32 and is cast); fp8 weights
@@ -305,8 +347,8 @@ class OffloadController:
 
     @contextmanager
     def forward(self, patcher, x: Optional[torch.Tensor] = None):
-        if self.auto and not self._auto_planned_this_run and isinstance(x, torch.Tensor):
-            self._plan_auto(x, patcher)
+        if (self.auto or self.auto_setting) and not self._auto_planned_this_run and isinstance(x, torch.Tensor):
+            self._plan_run(x, patcher)
             self._auto_planned_this_run = True
         self._use_own_settings()
         refusal = cuda_graph_refusal(patcher.model_options.get("torch_compile_kwargs") if patcher else None)
@@ -326,7 +368,7 @@ class OffloadController:
         from .discovery import discover_blocks
         diffusion_model = patcher.model.diffusion_model
         controller = OffloadController(patcher.model, discover_blocks(diffusion_model), patcher.load_device,
-                                       self.config, auto=self.auto)
+                                       self.config, auto=self.auto, auto_setting=self.auto_setting)
         log.info("[layerwise-offload] ComfyUI cloned the offloaded model with another model object; that clone "
                  "gets an offload of its own (%d blocks)", controller.manager.num_blocks)
         return controller

@@ -38,10 +38,13 @@ TOOLTIPS = {
         "keep everything resident."),
     "prefetch_size": (
         "How many streamed blocks are copied ahead of the one computing. 1 is enough when copies are "
-        "hidden behind compute; each extra block costs one block of VRAM."),
+        "hidden behind compute; each extra block costs one block of VRAM. With residency_policy auto, the "
+        "least it copies ahead."),
     "residency_policy": (
-        "leading: the first blocks stay resident. strided: the streamed blocks are spread evenly over "
-        "the step, so each copy overlaps resident compute (can help when PCIe is shared)."),
+        "auto (the default): at the first step of each run, the policy and prefetch depth this card is predicted "
+        "to run fastest with (a timing model of its copies and compute; on an unknown device, leading). leading: "
+        "the first blocks stay resident. strided: the streamed blocks are spread evenly over the step, so each "
+        "copy overlaps resident compute."),
     "pin_memory": (
         "Page-lock the host copy of the blocks for fast asynchronous copies. Turn off when system RAM "
         "is short; copies get slower."),
@@ -53,7 +56,9 @@ TOOLTIPS = {
         "folder (or $" + DISK_DIR_ENV + ") and is deleted when the model is unloaded or ComfyUI exits."),
 }
 
-DEFAULTS = {"resident_layers": AUTO_RESIDENT, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True,
+AUTO_POLICY = "auto"
+NODE_POLICIES = (AUTO_POLICY,) + tuple(POLICIES)
+DEFAULTS = {"resident_layers": AUTO_RESIDENT, "prefetch_size": 1, "residency_policy": AUTO_POLICY, "pin_memory": True,
             "host_store": "auto"}
 MAX_RESIDENT_LAYERS = 4096
 MAX_PREFETCH = 64
@@ -85,9 +90,9 @@ def stats_ui(model, after_connected: bool):
 
 def residency_policy_problem(value) -> "str | None":
     """Why ``value`` is not a residency policy (for ComfyUI's validation when the prompt is queued), or None."""
-    if value is None or value in POLICIES:  # None: fed by a link, checked when the node runs
+    if value is None or value in NODE_POLICIES:  # None: fed by a link, checked when the node runs
         return None
-    return f"residency_policy must be one of {', '.join(map(repr, POLICIES))}, got {value!r}"
+    return f"residency_policy must be one of {', '.join(map(repr, NODE_POLICIES))}, got {value!r}"
 
 
 def host_store_problem(value) -> "str | None":
@@ -106,7 +111,7 @@ def remove_stale_disk_files() -> int:
     return remove_stale_files(chosen) if chosen else 0
 
 
-def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy="leading", pin_memory=True,
+def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy=AUTO_POLICY, pin_memory=True,
                   host_store="auto"):
     """The node's work: a clone of ``model`` whose transformer blocks are managed by the offload."""
     problem = host_store_problem(host_store)
@@ -117,8 +122,9 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     if auto:
         resident_layers = 0  # until the first forward, when the free VRAM and the latent are known
     pin = bool(pin_memory) and not comfy.model_management.is_device_cpu(model.load_device)
+    auto_setting = residency_policy == AUTO_POLICY
     config = OffloadConfig(resident_layers=resident_layers, prefetch_size=prefetch_size,
-                           policy=residency_policy, pin_memory=pin, host_store=host_store)
+                           policy="leading" if auto_setting else residency_policy, pin_memory=pin, host_store=host_store)
     discover_blocks(model.get_model_object("diffusion_model"))  # a non-DiT fails here, before anything else
     support = device_support(model.load_device)
     if not support.offloads:
@@ -127,7 +133,8 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     base_model = model.model
     diffusion_model = model.get_model_object("diffusion_model")
     discovered = discover_blocks(diffusion_model)
-    controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto)
+    controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto,
+                                   auto_setting=auto_setting)
     # Planned under this output's settings: the shared manager may still hold another output's.
     refusal = controller.manager.shortfall(controller.config, (
         f"{DISPLAY_NAME}: resident_layers={-1 if auto else resident_layers}, prefetch_size={prefetch_size}, "
@@ -157,4 +164,4 @@ def passed_through(model, support):
 
 
 __all__ = ["offload_model", "offload_stats", "stats_ui", "residency_policy_problem", "host_store_problem", "HOST_STORES", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
-           "POLICIES", "CPU_LOOPBACK_ENV"]
+           "POLICIES", "NODE_POLICIES", "AUTO_POLICY", "CPU_LOOPBACK_ENV"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
-                           MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
+                           MIN_RESIDENT_LAYERS, NODE_ID, NODE_POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
                            STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, offload_model, stats_ui)
 from .loader import (LOADER_CATEGORY, LOADER_DESCRIPTION, LOADER_DISPLAY_NAME, LOADER_NODE_ID, LOADER_TOOLTIPS,
                      WEIGHT_DTYPES, diffusion_model_names, load_layerwise)
@@ -23,7 +23,7 @@ class LayerwiseOffloadV1:
                                         "tooltip": TOOLTIPS["resident_layers"]}),
             "prefetch_size": ("INT", {"default": DEFAULTS["prefetch_size"], "min": 1, "max": MAX_PREFETCH,
                                       "tooltip": TOOLTIPS["prefetch_size"]}),
-            "residency_policy": (list(POLICIES), {"default": DEFAULTS["residency_policy"],
+            "residency_policy": (list(NODE_POLICIES), {"default": DEFAULTS["residency_policy"],
                                                   "tooltip": TOOLTIPS["residency_policy"]}),
             "pin_memory": ("BOOLEAN", {"default": DEFAULTS["pin_memory"], "tooltip": TOOLTIPS["pin_memory"]}),
         }, "optional": {  # optional: API prompts written before it existed still validate (default: auto)

@@ -7,7 +7,7 @@ import functools
 from comfy_api.latest import ComfyExtension, io
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
-                           MIN_RESIDENT_LAYERS, NODE_ID, POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
+                           MIN_RESIDENT_LAYERS, NODE_ID, NODE_POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
                            STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, offload_model, stats_ui)
 from .loader import (LOADER_CATEGORY, LOADER_DESCRIPTION, LOADER_DISPLAY_NAME, LOADER_NODE_ID, LOADER_TOOLTIPS,
                      WEIGHT_DTYPES, diffusion_model_names, load_layerwise)
@@ -53,7 +53,7 @@ class LayerwiseOffload(io.ComfyNode):
                 io.Int.Input("prefetch_size", default=DEFAULTS["prefetch_size"], min=1, max=MAX_PREFETCH,
                              tooltip=TOOLTIPS["prefetch_size"]),
                 # ComfyUI checks this one's value itself (on 0.3.75 in the V1 form): not named in validate_inputs.
-                _combo("residency_policy", options=list(POLICIES), default=DEFAULTS["residency_policy"],
+                _combo("residency_policy", options=list(NODE_POLICIES), default=DEFAULTS["residency_policy"],
                        tooltip=TOOLTIPS["residency_policy"]),
                 io.Boolean.Input("pin_memory", default=DEFAULTS["pin_memory"], tooltip=TOOLTIPS["pin_memory"]),
                 # Optional: API prompts written before it existed still validate (default: auto).

@@ -20,8 +20,15 @@ from .planner import (ResidencyPlan, describe, estimate_activation_bytes, format
 from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
 from .stats import OffloadStats
 from .blocks.weights import point_param_at, weight_nbytes, weight_parts
+from .timing_model import SETTINGS, TIMING_GPU_ENV, ModelCosts, block_flops, choose_plan, gpu_for
 
 __all__ = [
+    "gpu_for",
+    "choose_plan",
+    "block_flops",
+    "ModelCosts",
+    "TIMING_GPU_ENV",
+    "SETTINGS",
     "DISK_DIR_ENV",
     "Footprint",
     "HOST_STORES",

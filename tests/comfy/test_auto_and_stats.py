@@ -9,7 +9,7 @@ import comfy.model_management as mm
 
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.device_support import CPU_LOOPBACK_ENV, device_support, startup_line
-from layerwise_offload.nodes.offload_node import offload_model, offload_stats
+from layerwise_offload.nodes.offload_node import offload_model, offload_stats, residency_policy_problem
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.nodes.v1 import LayerwiseOffloadStatsV1, LayerwiseOffloadV1
 from layerwise_offload.nodes.offload_node import DEFAULTS
@@ -216,3 +216,33 @@ def test_two_offloaded_models_hold_their_weights_once_in_ram():
     grown = psutil.Process().memory_info().rss - before - device
     assert stores > 100 * 2**20
     assert grown < 0.25 * stores, f"RSS grew {grown / 2**20:.0f} MiB for {stores / 2**20:.0f} MiB of host stores"
+
+
+def test_residency_policy_auto_runs_the_setting_the_timing_model_chooses_bitwise(monkeypatch):
+    """The default residency_policy (auto): with a card known (here the loopback plans as an RTX 4090 would), the
+    policy and prefetch depth are the timing model's choice among those that fit, prefetch never below the node's;
+    with no card known (the loopback as it is), leading with the node's prefetch. Output bitwise either way."""
+    from layerwise_offload.offload import SETTINGS, TIMING_GPU_ENV
+    assert DEFAULTS["residency_policy"] == "auto"
+    assert LayerwiseOffloadV1.INPUT_TYPES()["required"]["residency_policy"][0][0] == "auto"
+    want = tiny_dits.sample(tiny_dits.build_tiny("flux"), seed=5)
+    mm.unload_all_models()
+    monkeypatch.delenv(TIMING_GPU_ENV, raising=False)
+    plain = offload_model(tiny_dits.build_tiny("flux"), 1, 2)
+    assert torch.equal(tiny_dits.sample(plain, seed=5), want)
+    assert (controller_of(plain).manager.config.policy, controller_of(plain).manager.config.prefetch_size) == (
+        "leading", 2)
+    monkeypatch.setenv(TIMING_GPU_ENV, "RTX 4090 24GB")
+    for resident in (1, -1):
+        model = offload_model(tiny_dits.build_tiny("flux"), resident, 2)
+        assert torch.equal(tiny_dits.sample(model, seed=5), want)
+        controller = controller_of(model)
+        policy, prefetch, count = controller.last_choice
+        assert (policy, prefetch) in SETTINGS and prefetch >= 2
+        config = controller.manager.config
+        assert (config.policy, config.prefetch_size) == (policy, prefetch)
+        if resident == 1:
+            assert config.resident_layers == 1
+        del model, controller
+        mm.unload_all_models()
+    assert "must be one of 'auto', 'leading', 'strided'" in residency_policy_problem("trailing")

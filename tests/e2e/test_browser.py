@@ -250,7 +250,7 @@ def test_node_search_finds_and_adds_the_node(page):
     page.wait_for_timeout(300)
     assert page.evaluate("() => window.app.graph._nodes.map(n => n.type)") == [NODE]
     widgets = page.evaluate("() => Object.fromEntries(window.app.graph._nodes[0].widgets.map(w => [w.name, w.value]))")
-    assert widgets == {"resident_layers": -1, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True,
+    assert widgets == {"resident_layers": -1, "prefetch_size": 1, "residency_policy": "auto", "pin_memory": True,
                        "host_store": "auto"}
 
 
