@@ -169,7 +169,7 @@ def test_buffers_are_allocated_outside_the_models_forward():
     def watched(nbytes):
         allocations.append(bool(inside))
         return allocate(nbytes)
-    manager.device_memory.allocate = watched
+    manager.device_memory.allocate = watched  # looks inside: every device allocation, to see when it happens
     tiny_dits.sample(model, seed=3)
     assert allocations and not any(allocations)
 

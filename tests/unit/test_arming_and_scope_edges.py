@@ -47,6 +47,7 @@ def test_out_of_memory_while_arming_leaves_a_usable_manager(x, failing_allocatio
     model = ToyTransformer()
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2,
                                       prefetch_size=1)
+    # Looks inside: an out-of-memory at a chosen device allocation, which no CPU run would raise on its own.
     manager.device_memory.allocate = out_of_memory_on(failing_allocation, manager)
     with torch.no_grad(), pytest.raises(torch.OutOfMemoryError):
         model(x)
