@@ -100,6 +100,11 @@ class LayerwiseOffloadManager:
     def armed(self) -> bool:
         return self.schedule is not None
 
+    def _holds_device_memory(self) -> bool:
+        """Armed, or holding what a replan kept for the next arming."""
+        memory = self.device_memory
+        return self.armed or bool(memory.residents) or bool(memory.slots)
+
     @property
     def pin_memory(self) -> bool:
         return self.host.pin_memory
@@ -220,8 +225,9 @@ class LayerwiseOffloadManager:
 
     @compiler_disable
     def arm(self) -> None:
-        """Allocate the plan's device memory and queue the resident copies (by the first forward).
-        All is allocated before the plan is published: out of memory leaves it unarmed, holding nothing."""
+        """Allocate what the plan's device memory lacks and queue the copies of the residents not on the device
+        (by the first forward; after a replan that kept some residents, only the blocks that joined). All is
+        allocated before the plan is published: out of memory leaves it unarmed, holding nothing."""
         if self.armed:
             return
         self.prepare()
@@ -232,12 +238,17 @@ class LayerwiseOffloadManager:
         self._sync_pinning(schedule)
         memory = self.device_memory
         memory.inference = self.inference_tensors
-        allocated = memory.hold([(i, sizes[i]) for i in schedule.resident_blocks], plan.slot_count, plan.slot_size,
-                                self.backend.mark_compute)
+        try:
+            allocated = memory.hold([(i, sizes[i]) for i in schedule.resident_blocks], plan.slot_count,
+                                    plan.slot_size, self.backend.mark_compute)
+        except BaseException:
+            self.release_all()  # what a replan kept goes too: an unarmed manager holds nothing
+            raise
         self.schedule = schedule
         self.calls.set_plan(schedule.resident)
         for index in schedule.resident_blocks:
-            self._materialize(index, after=allocated)
+            if not self.states.materialized[index]:
+                self._materialize(index, after=allocated)
         self._note_peaks()
 
     # ----------------------------------------------------------------- copies
@@ -277,7 +288,7 @@ class LayerwiseOffloadManager:
         self.host.copied(index, handle)
         self._point_at(index, views)
         self.states.copied_in(index, views, handle)
-        self.counters.count_copy(index, layout.nbytes)
+        self.counters.count_copy(index, layout.nbytes, resident=self.schedule.resident[index])
         self._note_peaks()
         return True
 
@@ -327,10 +338,58 @@ class LayerwiseOffloadManager:
         self.params.clear_views()
 
     def replan(self, **changes) -> None:
-        """Change resident_layers / prefetch_size / policy; takes effect at the next forward."""
+        """Change the settings (:class:`OffloadConfig` fields); takes effect at the next forward.
+
+        A change of the resident set alone (``resident_layers``, ``policy``) moves only the blocks whose membership
+        changed: a resident that stays keeps its device buffer and views and is never copied again, a block that
+        leaves the set is released and its buffer freed now, a block that joins it is copied in when the next
+        forward arms the plan. The slot ring stays unless its geometry (``prefetch_size + 1`` slots of the largest
+        streamed block) changes, and with it the streamed blocks it holds. Any other change (``prefetch_size``,
+        ``pin_memory``, ``host_store``, ...) releases every device byte (:meth:`release_all`), as does a replan
+        asked for inside a forward (after that forward).
+        """
         config = dataclasses.replace(self.config, **changes)
-        self.release_all()
+        changed = {f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(self.config, f.name)}
+        if changed <= self.RESIDENCY_SETTINGS and not self.calls.in_forward:
+            self._keep_what_stays(config)
+        else:
+            self.release_all()
         self.config = config
+
+    RESIDENCY_SETTINGS = frozenset({"resident_layers", "policy"})
+
+    @compiler_disable
+    def _keep_what_stays(self, config: OffloadConfig) -> None:
+        """Release what the plan under ``config`` no longer holds where it is now; unarm, so that the next forward
+        arms that plan over what stayed (see :meth:`replan`)."""
+        memory, states = self.device_memory, self.states
+        if self.store is None or not self._holds_device_memory():
+            self._reset_device_state()
+            return
+        try:
+            count = resolve_resident_count(config.resident_layers, self.num_blocks)
+            schedule = Schedule(choose_resident_blocks(self.num_blocks, count, config.policy))
+            ring = schedule.footprint(self.block_nbytes(), config.prefetch_size)
+            keep_ring = memory.ring_is(ring.slot_count, ring.slot_size)
+            for index in range(self.num_blocks):
+                resident = index in memory.residents
+                if resident and schedule.resident[index]:
+                    continue  # stays, copied and pointed as it is
+                if resident or (states.materialized[index] and (schedule.resident[index] or not keep_ring)):
+                    # Its memory is freed or changes hands: a copy into it nobody waited for must be done first.
+                    self.backend.wait_host(states.take_pending(index))
+                    self._release(index)
+                    if resident:
+                        memory.drop_resident(index)
+                        self.params.drop_device_views(index)
+            if not keep_ring:
+                memory.drop_ring()
+                self.params.drop_device_views()
+            self.schedule = None
+            self.calls.set_plan(None)
+        except BaseException:
+            self.release_all()
+            raise
 
     @compiler_disable
     def detach(self, device=None) -> None:
@@ -364,6 +423,7 @@ class LayerwiseOffloadManager:
             forwards=counts.forwards,
             bytes_copied=counts.bytes_copied,
             copies_issued=counts.copies_issued,
+            resident_copies=counts.resident_copies,
             demand_copies=counts.demand_copies,
             bytes_copied_last_forward=counts.last_forward_bytes,
             copies_last_forward=counts.last_forward_copies,
@@ -446,14 +506,14 @@ class LayerwiseOffloadManager:
         ``.to()``), and return their indices. ``progress(done, total)`` is called after each packed block.
         """
         changed = self.host.outdated(self.params)
-        if changed and self.armed:
+        if changed and self._holds_device_memory():
             self.release_all()
         self._pack(changed, progress)
         return changed
 
     def repack_block(self, index: int) -> None:
         """Re-read one block's parameters (new objects or new values) into the host store."""
-        if self.armed:
+        if self._holds_device_memory():
             self.release_all()
         if self.store is None:
             self.prepare()

@@ -14,6 +14,7 @@ class OffloadStats:
     forwards: int
     bytes_copied: int  # host-to-device, since the manager was made
     copies_issued: int
+    resident_copies: int  # of those, copies into a resident's own buffer (arming; a replan copies only new residents)
     demand_copies: int  # copies issued when a block was about to run (not prefetched in time)
     bytes_copied_last_forward: int
     copies_last_forward: int
@@ -53,6 +54,7 @@ class Counters:
     def __init__(self, num_blocks: int):
         self.bytes_copied = 0
         self.copies_issued = 0
+        self.resident_copies = 0  # copies into a resident's own buffer
         self.demand_copies = 0  # copies issued when a block was about to run (not prefetched in time)
         self.copies_per_block = [0] * num_blocks
         self.forwards = 0
@@ -60,9 +62,10 @@ class Counters:
         self.last_forward_bytes = self.last_forward_copies = 0
         self.peak_materialized = self.peak_device_bytes = 0
 
-    def count_copy(self, index: int, nbytes: int) -> None:
+    def count_copy(self, index: int, nbytes: int, resident: bool = False) -> None:
         self.bytes_copied += nbytes
         self.copies_issued += 1
+        self.resident_copies += resident
         self._forward_bytes += nbytes
         self._forward_copies += 1
         self.copies_per_block[index] += 1

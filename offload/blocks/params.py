@@ -71,6 +71,15 @@ class BlockParameters:
         for key in [k for k in self._views if k[1] == index]:
             del self._views[key]
 
+    def drop_device_views(self, index: Optional[int] = None) -> None:
+        """Forget the views of device memory that is freed: block ``index``'s resident buffer, or (None) every
+        slot's (the ring is dropped)."""
+        if index is not None:
+            self._views.pop(("resident", index), None)
+        else:
+            for key in [k for k in self._views if isinstance(k[0], int)]:
+                del self._views[key]
+
     def clear_views(self) -> None:
         self._views = {}
 

@@ -23,25 +23,46 @@ class DeviceMemory:
     def clear(self) -> None:
         """Forget every buffer (the memory returns once no view of it is left)."""
         self.residents: Dict[int, torch.Tensor] = {}
+        self._resident_bytes = 0  # kept as buffers come and go: the step reads it at every copy
+        self.drop_ring()
+
+    def drop_ring(self) -> None:
+        """Forget the slot ring (no block may hold a slot)."""
         self.slots: List[torch.Tensor] = []
+        self._slot_bytes = 0
         self.slot_owner: List[Optional[int]] = []
         self.slot_free: List[object] = []  # per slot: the compute mark its next copy waits for
         self.block_slot: List[Optional[int]] = [None] * self.num_blocks
+
+    def ring_is(self, slot_count: int, slot_bytes: int) -> bool:
+        """Whether the ring held now has ``slot_count`` slots of ``slot_bytes`` (none held: only for no slots)."""
+        return len(self.slots) == slot_count and all(slot.numel() == slot_bytes for slot in self.slots)
 
     def allocate(self, nbytes: int) -> torch.Tensor:
         with torch.inference_mode(self.inference):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def hold(self, residents: Iterable[Tuple[int, int]], slot_count: int, slot_bytes: int, mark) -> object:
-        """Allocate the residents' buffers ((block, bytes) pairs) and the slots; all of it before any is kept,
-        so out of memory leaves nothing held. Fresh memory may have been freed by tensors that queued compute
-        work still reads: returns ``mark()`` taken once all is allocated, which the first copies wait for."""
-        residents = {index: self.allocate(nbytes) for index, nbytes in residents}
-        slots = [self.allocate(slot_bytes) for _ in range(slot_count)]
-        self.residents, self.slots = residents, slots
+        """Allocate what the plan lacks: the buffers of the residents ((block, bytes) pairs) not held yet, and the
+        ring unless the one held has this geometry (a ring of another geometry must hold no block: it is dropped
+        first). All of it is allocated before any is kept, so out of memory adds nothing. Fresh memory may have
+        been freed by tensors that queued compute work still reads: returns ``mark()`` taken once all is
+        allocated, which the copies into fresh memory wait for (a kept slot keeps the mark it had)."""
+        keep_ring = self.ring_is(slot_count, slot_bytes)
+        if not keep_ring:
+            if any(owner is not None for owner in self.slot_owner):
+                raise RuntimeError("[layerwise-offload] the slot ring is resized while a block holds a slot")
+            self.drop_ring()
+        fresh = {index: self.allocate(nbytes) for index, nbytes in residents if index not in self.residents}
+        slots = self.slots if keep_ring else [self.allocate(slot_bytes) for _ in range(slot_count)]
+        self.residents.update(fresh)
+        self._resident_bytes += sum(buffer.numel() for buffer in fresh.values())
         allocated = mark()
-        self.slot_owner = [None] * slot_count
-        self.slot_free = [allocated] * slot_count
+        if not keep_ring:
+            self.slots = slots
+            self._slot_bytes = slot_count * slot_bytes
+            self.slot_owner = [None] * slot_count
+            self.slot_free = [allocated] * slot_count
         return allocated
 
     def resident(self, index: int, nbytes: int) -> Tuple[torch.Tensor, bool]:
@@ -50,7 +71,14 @@ class DeviceMemory:
         if buffer is not None:
             return buffer, False
         buffer = self.residents[index] = self.allocate(nbytes)
+        self._resident_bytes += buffer.numel()
         return buffer, True
+
+    def drop_resident(self, index: int) -> None:
+        """Free block ``index``'s resident buffer (it left the resident set; nothing may view it any more)."""
+        buffer = self.residents.pop(index, None)
+        if buffer is not None:
+            self._resident_bytes -= buffer.numel()
 
     def acquire(self, protect: Set[int], evict_protected: bool, running: Sequence[int],
                 release: Callable[[int], None]) -> Optional[int]:
@@ -84,7 +112,7 @@ class DeviceMemory:
             self.block_slot[index] = None
 
     def resident_bytes(self) -> int:
-        return sum(b.numel() for b in self.residents.values())
+        return self._resident_bytes
 
     def nbytes(self) -> int:
-        return self.resident_bytes() + sum(b.numel() for b in self.slots)
+        return self._resident_bytes + self._slot_bytes

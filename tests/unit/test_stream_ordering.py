@@ -150,9 +150,11 @@ def halve_on_the_device(fake, backend):
     return halve
 
 
-def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, transform=False):
+def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, transform=False, before=None,
+                forwards=3):
     """Three forwards under the race checker; returns the backend with its copies and where they were issued.
-    ``transform``: an after-copy transform halves every block's weights on the "device" as it is copied in."""
+    ``transform``: an after-copy transform halves every block's weights on the "device" as it is copied in.
+    ``before(k, manager, backend)`` runs before forward ``k`` (a replan, say), ``forwards`` of them."""
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     reference = ToyTransformer()
     reference.order = order
@@ -204,7 +206,9 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
         block.register_forward_pre_hook(read_start(index))  # after the manager's: sees the waits it issued
         block.register_forward_hook(read_end(index), prepend=True)  # before the manager's release
     with torch.no_grad():
-        for _ in range(3):
+        for k in range(forwards):
+            if before is not None:
+                before(k, manager, backend)
             assert torch.equal(model(x), want)
     assert backend.writes and reads
     # The next copy never queues behind a LoRA: the copy stream waits on the compute stream only.
