@@ -7,7 +7,9 @@ a stream of its own once the copy's bytes are in, and the copy's completion even
 stream's wait for that event covers it, the next copy into the same slot waits for the compute stream as before,
 and the copy stream goes on to the next block's copy without waiting for the LoRA math.
 
-A resident whose host copy is pageable goes through a small page-locked bounce ring (device/resident_copy.py).
+A resident whose host copy is pageable goes through a small page-locked bounce ring (device/resident_copy.py). A
+disk block has no host copy in RAM: its source (``disk/tier.py`` ``DiskSource``) reads it chunk by chunk through the
+disk tier's own small staging ring and queues each chunk's copy into its place, the transform after the last.
 """
 
 from __future__ import annotations
@@ -31,16 +33,19 @@ class BlockCopier:
         self._bounce_refused = False  # the pinner refused it this arming: the residents copy from pageable memory
         self.bounce_bytes: Optional[int] = None  # the ring's chunk size (None: resident_staging.CHUNK_BYTES)
 
-    def copy(self, backend, index: int, device_buffer: torch.Tensor, host_buffer: torch.Tensor, after,
+    def copy(self, backend, index: int, device_buffer: torch.Tensor, host_buffer, after,
              device_weights: Sequence[torch.Tensor], bounce_pinner=None):
         """Queue the copy of block ``index`` after the compute mark ``after``, then the transform; returns the
-        handle of its completion. ``bounce_pinner``: copy through a bounce ring page-locked by it (if it can)."""
+        handle of its completion. ``host_buffer``: the host tensor, or a disk block's ``DiskSource`` (it stages
+        itself). ``bounce_pinner``: copy through a bounce ring page-locked by it (if it can)."""
         transform = self.transform
 
         def apply_transform():
             with torch.no_grad():
                 transform(index, device_weights)
         then = apply_transform if transform is not None else None
+        if not isinstance(host_buffer, torch.Tensor):  # a disk block: read and copied chunk by chunk (disk/tier.py)
+            return host_buffer.copy_to(backend, device_buffer, after=after, then=then)
         bounce = self._bounce(bounce_pinner) if bounce_pinner is not None else None
         if bounce is not None:  # the host reads the host buffer itself, synchronously
             return bounce.copy(backend, device_buffer, host_buffer, after=after, then=then)

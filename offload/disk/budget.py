@@ -6,7 +6,8 @@ backup or another model sharing the storage keeps it alive), and the peak is one
 growth (the new buffer exists before the old copy is freed). A block whose host copy lives on disk is written in
 chunks straight from its weights (no block-sized buffer) and then frees ComfyUI's copy, so the blocks bound for
 disk are packed first: the RAM they free is there before any RAM block needs its one block of headroom. The
-disk tier's staging ring is allocated at the first read, after packing, when that RAM is free again.
+disk tier's staging ring (a few chunks, whatever the block size: ``disk/tier.py`` ``staging_ring_bytes``) is
+allocated at the first read, after packing, when that RAM is free again.
 
 The auto tier (``host_store="auto"``) never asks for more RAM than ComfyUI's own copy of the model holds: where
 packing every block into RAM adds nothing (ComfyUI's copies are freed as they are packed) and its one-block peak
@@ -185,10 +186,10 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     return TierPlan(best.disk, best.peak_bytes, best.growth_bytes, best.ring_bytes, available, margin, reason)
 
 
-def refusal(plan: TierPlan, settings: str, ring_blocks: int, num_blocks: int,
+def refusal(plan: TierPlan, settings: str, ring: str, num_blocks: int,
             no_disk_tier: Optional[str] = None, disk_fits: bool = True) -> str:
     """The message refusing a packing ``plan`` that does not fit, with what helps (``settings``: the caller's
-    settings as the user named them; ``ring_blocks``: the staging ring's size in blocks; ``no_disk_tier``: why
+    settings as the user named them; ``ring``: the staging ring's size in words; ``no_disk_tier``: why
     this platform has none, so the disk tier is not offered; ``disk_fits``: whether every block on disk would
     fit, else the disk tier is not offered either: advice must work when followed)."""
     if not disk_fits and no_disk_tier is None:
@@ -199,11 +200,10 @@ def refusal(plan: TierPlan, settings: str, ring_blocks: int, num_blocks: int,
             f"{mib(plan.available_bytes)} is available ({settings}).")
     if plan.disk_blocks < num_blocks:
         disk = (f"host_store = disk (the blocks' host copies live in a cache file on disk, RAM holds a staging ring "
-                f"of {ring_blocks} blocks), " if no_disk_tier is None else "")
+                f"of {ring}), " if no_disk_tier is None else "")
         platform = f" (No disk tier here: {no_disk_tier}.)" if no_disk_tier is not None else ""
         return (f"{head} Every block is kept in host RAM whatever resident_layers is, so raising it does not help. "
                 f"What helps: {disk}unload other models (or restart ComfyUI), a smaller checkpoint or an fp8/GGUF "
                 f"one, pin_memory off, or more RAM.{platform}")
     return (f"{head} Even with every block on disk the staging ring ({mib(plan.ring_bytes)}) does not fit. "
-            f"What helps: prefetch_size 1, unload other models (or restart ComfyUI), an fp8/GGUF checkpoint, "
-            f"or more RAM.")
+            f"What helps: unload other models (or restart ComfyUI), an fp8/GGUF checkpoint, or more RAM.")

@@ -6,15 +6,16 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any,  Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, runtime_checkable
+from typing import Any,  Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
 
 import torch
 
 from ..disk.checkpoint import drop_cached_pages
 from ..disk.budget import (PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers,
                           refusal)
-from ..disk.cache_file import disk_tier_unsupported, padded
-from ..disk.tier import CHUNK_BYTES, DiskTier
+from ..disk.cache_file import disk_tier_unsupported
+from ..disk import tier as disk_tier
+from ..disk.tier import CHUNK_BYTES, DiskSource, DiskTier, staging_ring_bytes
 from ..disk.mappings import MappedFiles, checkpoint_extents
 from .ram import available_host_bytes, pinnable_bytes
 from .pinning import default_pinner, return_freed_host_memory
@@ -64,15 +65,17 @@ class HostTier(Protocol):
     def read_ahead(self, indices: Sequence[int]) -> None:
         """Start bringing the bytes of ``indices`` (the blocks copied next, in order) into staging buffers."""
 
-    def source(self, index: int, protect: Sequence[int] = ()) -> torch.Tensor:
-        """Block ``index``'s bytes, in full (waits for its read): the host tensor its copy reads. Staging taken
-        for it never drops a read of ``protect``."""
+    def source(self, index: int, protect: Sequence[int] = ()) -> Union[torch.Tensor, DiskSource]:
+        """What block ``index``'s copy reads: its host tensor, in full (RAM), or a
+        :class:`~..disk.tier.DiskSource` that reads it chunk by chunk as the copy goes (disk: the block is never
+        whole in RAM). Reads ahead of ``protect`` (the blocks copied after it) come after its own."""
 
     def copied(self, index: int, handle) -> None:
         """The copy from :meth:`source` is queued; ``handle`` tells when it no longer reads that tensor."""
 
     def pageable(self, index: int) -> bool:
-        """Whether that tensor is pageable (not page-locked) memory."""
+        """Whether the host stages that copy (pageable memory, or the disk tier's chunks): the manager issues such
+        copies after the running block is launched."""
 
 
 class RamTier:
@@ -111,7 +114,8 @@ class RamTier:
 class HostSide:
     """Where the blocks' host copies live, and how a copy gets its bytes: the host store's RAM tier and, for the
     blocks that do not fit in RAM, the disk tier. Both answer one interface (``holds``, ``read_ahead``,
-    ``source``: the host tensor to copy from, read in full; ``copied``: the copy from it is queued; ``pageable``).
+    ``source``: the host tensor to copy from, or a disk block's chunked source; ``copied``: the copy from it is
+    queued; ``pageable``).
 
     ``settings()`` reads the manager's config, which only the manager holds (host_store, prefetch_size,
     pin_memory); ``environment`` is what the machine provides (:class:`HostEnvironment`).
@@ -140,7 +144,9 @@ class HostSide:
 
     @property
     def ring_size(self) -> int:
-        return self._settings().prefetch_size + 2  # the copies in flight, plus reads ahead of them
+        """The disk tier's staging chunks (:data:`~..disk.tier.STAGING_CHUNKS`): a fixed few, whatever the block
+        size or prefetch_size."""
+        return disk_tier.STAGING_CHUNKS
 
     # ----------------------------------------------------------------- the copy's source
     def tier(self, index: int) -> HostTier:
@@ -152,9 +158,10 @@ class HostSide:
         """Whether block ``index``'s tier reads ahead (then :meth:`source` wants the blocks that run after it)."""
         return self.tier(index) is not self.ram
 
-    def source(self, index: int, upcoming: Sequence[int] = ()) -> torch.Tensor:
-        """The host tensor block ``index`` is copied from, ready; reads of ``upcoming`` (the blocks copied next)
-        are started where its tier reads ahead."""
+    def source(self, index: int, upcoming: Sequence[int] = ()) -> Union[torch.Tensor, DiskSource]:
+        """What block ``index`` is copied from: its host tensor, ready, or a disk block's :class:`DiskSource`
+        (read chunk by chunk as the copier copies it); reads of ``upcoming`` (the blocks copied next) are started
+        where its tier reads ahead, after its own."""
         tier = self.tier(index)
         ahead = [i for i in upcoming if i != index and self.tier(i) is tier]
         source = tier.source(index, protect=ahead)
@@ -265,7 +272,7 @@ class HostSide:
         ring = self.ring_size
         return plan_host_tiers(
             sizes, freed, mode, self._available_bytes(),
-            ring_bytes=lambda tiers: ring * max((padded(s) for s, d in zip(sizes, tiers) if d), default=0),
+            ring_bytes=lambda tiers: staging_ring_bytes(max((s for s, d in zip(sizes, tiers) if d), default=0), ring),
             margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(len(self.blocks))], chunk_bytes=CHUNK_BYTES,
             padding_bytes=padding,
             already_disk=[disk is not None and disk.holds(i) for i in range(len(self.blocks))])
@@ -421,7 +428,8 @@ class HostSide:
         if unsupported is None and plan.disk_blocks < len(self.blocks):
             waiting = range(len(self.blocks)) if waiting is None else waiting
             disk_fits = self._plan_tiers(waiting, "disk").shortfall() is None
-        return refusal(plan, settings, self.ring_size, len(self.blocks), unsupported, disk_fits)
+        ring = f"{self.ring_size} chunks of at most {disk_tier.CHUNK_BYTES / 2**20:.0f} MiB"
+        return refusal(plan, settings, ring, len(self.blocks), unsupported, disk_fits)
 
 
 def _block_pieces(layout, sources) -> Iterator[Tuple[int, torch.Tensor]]:

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
 from layerwise_offload.offload.disk.budget import RAM_MARGIN_BYTES
-from layerwise_offload.offload.disk.cache_file import padded
 from layerwise_offload.offload.disk.checkpoint import CheckpointError, CheckpointFile, is_mapped, locate
+from layerwise_offload.offload.disk.tier import staging_ring_bytes
 
 NUM_BLOCKS = 7
 
@@ -177,7 +177,7 @@ def test_auto_packs_ram_blocks_from_the_mapping_and_reads_the_rest_from_the_file
                                           disk_folder=str(tmp_path / "cache"), available_host_bytes=lambda: free))
     sizes = manager.block_nbytes()
     # Room for three blocks in RAM beyond the margin and the staging ring: mapped weights free no RAM when packed.
-    free = RAM_MARGIN_BYTES + 3 * max(sizes) + 3 * padded(max(sizes))
+    free = RAM_MARGIN_BYTES + 3 * max(sizes) + staging_ring_bytes(max(sizes))
     manager.attach(model)
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)

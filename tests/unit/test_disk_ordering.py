@@ -5,8 +5,10 @@ clocks, as in test_stream_ordering.py, plus the host thread and the disk: an op 
 host, so it happens after what the host knew then; the host learns that a copy finished only from its event
 (``query``/``synchronize``), and that a read finished only by waiting for it. Reads and copies run for real, so
 the output is checked bitwise too. Both sources of a disk block are checked: the cache file and the checkpoint's
-extents. The two rules: a staging buffer is copied to the device only after its disk
-read finished, and a new read into a staging buffer starts only after every copy from it finished.
+extents. A disk block is read and copied chunk by chunk through a ring of a few staging chunks; the toy's blocks
+fit in one default chunk, so the chunked runs shrink the chunk to one page (every block several chunks) and the
+ring to one, two or three chunks. The two rules, per staging chunk: it is copied to the device only after its disk
+read finished, and a new read into it starts only after every copy from it finished.
 """
 
 from contextlib import contextmanager
@@ -131,13 +133,13 @@ def instrument(tier, module, reads):
     start, settle = tier._start, tier._settle
     ends = {}
 
-    def _start(index, staging):
+    def _start(index, piece, staging):
         issued = module.host.tick()
         disk = dict(issued)
         disk["disk"] = max(c["disk"] for c in [issued] + [r[2] for r in reads]) + 1
         reads.append((staging.buffer.data_ptr(), issued, disk))
         ends[id(staging)] = disk
-        start(index, staging)
+        start(index, piece, staging)
 
     def _settle(staging):
         if staging.future is not None:
@@ -155,7 +157,14 @@ def toy_over_checkpoint(tmp_path):
     return model
 
 
-def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="cache"):
+# (staging chunk bytes, chunks in the ring): the defaults (each toy block one chunk), and one page per chunk.
+CHUNKED = [(4096, 1), (4096, 2), (4096, 3)]
+
+
+def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="cache", chunks=None, monkeypatch=None):
+    if chunks is not None:
+        monkeypatch.setattr(disk_tier, "CHUNK_BYTES", chunks[0])
+        monkeypatch.setattr(disk_tier, "STAGING_CHUNKS", chunks[1])
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     model = toy_over_checkpoint(tmp_path) if source == "checkpoint" else ToyTransformer()
     with torch.no_grad():
@@ -191,14 +200,21 @@ def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="c
                 "a staging buffer may be copied before its disk read finished")
             copies_since.setdefault(buffer, []).append(end)
     assert reads and any(kind == "copy" for _, kind, _ in events)
+    tier = manager.host.disk
+    assert len(tier.ring) == disk_tier.STAGING_CHUNKS and tier.ring_bytes == disk_tier.staging_ring_bytes(
+        max(manager.block_nbytes()))
+    if chunks is not None:
+        assert len(reads) > 3 * len(manager.schedule.streamed_blocks)  # several chunks per block
     assert all(torch.equal(out, want) for out in outputs)  # after the clocks: a race shows there first, by name
     manager.detach()
 
 
+@pytest.mark.parametrize("chunks", [None] + CHUNKED)
 @pytest.mark.parametrize("source", ["cache", "checkpoint"])
 @pytest.mark.parametrize("resident, prefetch, policy", [(0, 1, "leading"), (2, 2, "strided"), (1, 3, "leading")])
-def test_no_copy_before_its_read_and_no_read_over_a_copy_in_flight(tmp_path, resident, prefetch, policy, source):
-    run_checked(resident, prefetch, policy, tmp_path, source=source)
+def test_no_copy_before_its_read_and_no_read_over_a_copy_in_flight(tmp_path, monkeypatch, resident, prefetch, policy,
+                                                                   source, chunks):
+    run_checked(resident, prefetch, policy, tmp_path, source=source, chunks=chunks, monkeypatch=monkeypatch)
 
 
 def skip_read_waits(tier):
@@ -209,14 +225,17 @@ def skip_copy_waits(tier, monkeypatch):
     monkeypatch.setattr(disk_tier, "copy_finished", lambda handle, wait: True)
 
 
+@pytest.mark.parametrize("chunks", [None, (4096, 2)])
 @pytest.mark.parametrize("source", ["cache", "checkpoint"])
-def test_the_checker_catches_a_copy_before_its_read(tmp_path, source):
+def test_the_checker_catches_a_copy_before_its_read(tmp_path, monkeypatch, source, chunks):
     with pytest.raises(AssertionError, match="copied before its disk read"):
-        run_checked(0, 1, "leading", tmp_path, break_with=skip_read_waits, source=source)
+        run_checked(0, 1, "leading", tmp_path, break_with=skip_read_waits, source=source, chunks=chunks,
+                    monkeypatch=monkeypatch)
 
 
+@pytest.mark.parametrize("chunks", [None, (4096, 2)])
 @pytest.mark.parametrize("source", ["cache", "checkpoint"])
-def test_the_checker_catches_a_read_over_a_copy_in_flight(tmp_path, monkeypatch, source):
+def test_the_checker_catches_a_read_over_a_copy_in_flight(tmp_path, monkeypatch, source, chunks):
     with pytest.raises(AssertionError, match="overwrite a staging buffer"):
         run_checked(0, 1, "leading", tmp_path, break_with=lambda tier: skip_copy_waits(tier, monkeypatch),
-                    source=source)
+                    source=source, chunks=chunks, monkeypatch=monkeypatch)

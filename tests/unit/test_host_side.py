@@ -37,7 +37,10 @@ def pack_all(host, params):
 
 
 def weights_in(host, index, source):
-    """Block ``index``'s parameters as the bytes of ``source`` (a tier's answer) describe them."""
+    """Block ``index``'s parameters as the bytes of ``source`` (a tier's answer: a RAM block's host tensor, or a disk
+    block's source, read here through the staging ring into a tensor of its own) describe them."""
+    if not isinstance(source, torch.Tensor):
+        source = source.read()
     return [view.clone() for view in host.store.layouts[index].weights_from(host.store.layouts[index].views(source))]
 
 
@@ -57,7 +60,7 @@ def test_every_block_is_read_back_from_its_tier_byte_for_byte(tmp_path, host_sto
         held = [param.detach() for block in blocks for param in block.parameters()]  # noqa: F841
         from layerwise_offload.offload.disk.cache_file import padded
         largest = max(sum(t.numel() * t.element_size() for t in block) for block in expected)
-        # The margin, the staging ring (prefetch + 2 blocks) and about three blocks in RAM.
+        # The margin, the staging ring (a few chunks, at most three toy blocks here) and about three blocks in RAM.
         knobs["available"] = 512 * 2**20 + 3 * padded(largest + 1024) + 3 * (largest + 1024)
     packed = pack_all(host, params)
     tiers = host.tiers()
