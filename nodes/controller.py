@@ -34,6 +34,9 @@ from .run_report import run_report
 log = logging.getLogger("layerwise_offload")
 
 AUTO_RESIDENT = -1  # resident_layers value that asks for the automatic plan
+# Auto keeps the resident count it holds when a new run's plan would add this many blocks or fewer (and the held
+# count still fits); shrinking to fit always happens. See OffloadController._held_if_close.
+AUTO_GROW_HYSTERESIS = 1
 
 _MANAGERS: "weakref.WeakKeyDictionary[nn.Module, LayerwiseOffloadManager]" = weakref.WeakKeyDictionary()
 
@@ -88,6 +91,7 @@ class OffloadController:
         self.last_choice = None
         self._auto_planned_this_run = False
         self.last_plan = None
+        self._last_close_plan = None  # the count auto last declined to grow to (logged once)
         self.last_report = None  # the last run's RunReport (run_report.py)
         self.last_recommendation: Optional[str] = None
         # Highest resident count ComfyUI's VRAM budget allows now (None: no limit), set when ComfyUI
@@ -295,10 +299,10 @@ class OffloadController:
         settings = ([(policy, prefetch) for policy, prefetch in SETTINGS if prefetch >= self.prefetch_floor]
                     if gpu is not None else [(self.config.policy, self.config.prefetch_size)])
 
-        def plan_for(policy: str, prefetch: int):
+        def plan_for(policy: str, prefetch: int, max_resident: Optional[int] = None):
             return plan_residency(sizes, free, reserve_bytes=reserve,
                                   activation_bytes=activations.nbytes + self.device_lora_scratch,
-                                  prefetch_size=prefetch, policy=policy)
+                                  prefetch_size=prefetch, policy=policy, max_resident=max_resident)
         plans = {setting: plan_for(*setting) for setting in settings}
         if self.auto:
             candidates = [(policy, prefetch, plan.resident_count) for (policy, prefetch), plan in plans.items()
@@ -326,7 +330,7 @@ class OffloadController:
         policy, prefetch, count = chosen
         changes = dict(policy=policy, prefetch_size=prefetch)
         if self.auto:
-            plan = plans[(policy, prefetch)]
+            plan = self._held_if_close(plans[(policy, prefetch)], plan_for)
             if plan != self.last_plan:
                 log.info("%s; activations %s (%s, %d tokens x %d)", describe(plan), format_bytes(activations.nbytes),
                          activation_words(activations.source), activations.tokens, x.shape[0])
@@ -334,6 +338,29 @@ class OffloadController:
             changes["resident_layers"] = plan.resident_count
         self.last_activations = activations
         self.config = dataclasses.replace(self.config, **changes)
+
+    def _held_if_close(self, plan, plan_for):
+        """Auto's hysteresis: the plan the manager holds now when the new one would only add
+        :data:`AUTO_GROW_HYSTERESIS` blocks (or fewer) and the held one still fits; else the new plan.
+
+        What free memory ComfyUI reports wobbles between runs by about a block, and each run's first forward
+        replans: without this a count moving by one would copy (or free and copy back) a block at every run's first
+        step, seconds on a GPU. A plan that grows by more moves, and one that no longer fits always shrinks (the new
+        count is the largest that fits, so a smaller one means the held count does not)."""
+        manager = self.manager
+        held = manager.resident_count()
+        if (manager.device_bytes() == 0 or (manager.config.policy, manager.config.prefetch_size)
+                != (plan.policy, plan.prefetch_size) or not held < plan.resident_count <= held + AUTO_GROW_HYSTERESIS):
+            return plan
+        kept = plan_for(plan.policy, plan.prefetch_size, max_resident=held)
+        if kept.resident_count != held or not kept.fits:
+            return plan
+        if plan.resident_count != self._last_close_plan:
+            log.info("[layerwise-offload] auto: keeping %d resident blocks (%d would fit: a change of %d block%s is "
+                     "not worth a replan)", held, plan.resident_count, plan.resident_count - held,
+                     "" if plan.resident_count - held == 1 else "s")
+        self._last_close_plan = plan.resident_count
+        return kept
 
     def _compute_dtype_bytes(self, x: torch.Tensor) -> int:
         """The model computes in its own dtype (the latent arrives in float32 and is cast); fp8 weights

@@ -80,8 +80,8 @@ def _check_bytes(name: str, value) -> int:
 
 def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes: int = 0,
                    activation_bytes: int = 0, non_block_bytes: int = 0, prefetch_size: int = 1,
-                   policy: str = "leading") -> ResidencyPlan:
-    """Choose the largest resident count whose footprint fits in ``free_bytes``.
+                   policy: str = "leading", max_resident: Optional[int] = None) -> ResidencyPlan:
+    """Choose the largest resident count whose footprint fits in ``free_bytes`` (at most ``max_resident``).
 
     Args:
         block_bytes: device bytes of each block once materialized, in call order
@@ -92,6 +92,8 @@ def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes
         non_block_bytes: weights outside the blocks that still have to go on the device.
         prefetch_size: the manager's prefetch window (its slot ring holds ``prefetch_size + 1``).
         policy: ``leading`` or ``strided``, as in :class:`OffloadConfig`.
+        max_resident: the most blocks to keep (None: all of them); a caller holding a plan asks whether it still
+            fits this way (the footprint is not monotonic in the count).
 
     The fit condition is ``resident + slots + activations + reserve + non_block <= free``. When
     nothing fits, not even with every block streamed, the result has ``fits=False`` and
@@ -112,7 +114,8 @@ def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes
 
     def required(count: int) -> int:
         return footprint(sizes, choose_resident_blocks(n, count, policy), prefetch_size).total + overhead
-    count = largest_fitting(lambda c: required(c) <= free_bytes, n)
+    start = n if max_resident is None else max(0, min(n, int(max_resident)))
+    count = largest_fitting(lambda c: required(c) <= free_bytes, start)
     resident = choose_resident_blocks(n, count, policy)
     plan = footprint(sizes, resident, prefetch_size)
     need = plan.total + overhead
