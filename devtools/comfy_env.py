@@ -51,32 +51,25 @@ def comfyui_path(path: Optional[PathLike] = None) -> Path:
     return p
 
 
-def register_pack(root: Optional[PathLike] = None, name: str = PACK_NAME) -> types.ModuleType:
-    """Register the repository as the package ``name`` WITHOUT running its root ``__init__.py`` (ComfyUI's entry
-    point, which imports ComfyUI). Afterwards ``import layerwise_offload.offload`` / ``.nodes`` / ``.devtools``
-    work with their relative imports. Idempotent; returns the package module."""
+def register_pack(root: Optional[PathLike] = None) -> types.ModuleType:
+    """Register the repository as the package ``layerwise_offload`` WITHOUT running its root ``__init__.py``
+    (ComfyUI's entry point, which imports ComfyUI). Afterwards ``import layerwise_offload.offload`` / ``.nodes`` /
+    ``.devtools`` work with their relative imports. Idempotent; returns the package module."""
     root = Path(root).resolve() if root is not None else repo_root()
-    existing = sys.modules.get(name)
+    existing = sys.modules.get(PACK_NAME)
     if existing is not None:
         paths = [str(Path(p).resolve()) for p in getattr(existing, "__path__", [])]
         if str(root) not in paths:
-            raise RuntimeError(
-                f"[layerwise-offload] sys.modules[{name!r}] already points at {paths}, not {root}"
-            )
+            raise RuntimeError(f"[layerwise-offload] sys.modules[{PACK_NAME!r}] already points at {paths}, not {root}")
         return existing
     if str(root) in [str(Path(p).resolve()) for p in sys.path if p]:
-        raise RuntimeError(
-            f"[layerwise-offload] the repository root {root} is on sys.path; remove it: its nodes/ folder would "
-            "clash with ComfyUI's top-level module `nodes`."
-        )
-    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
-    spec.submodule_search_locations = [str(root)]
-    pkg = types.ModuleType(name)
-    pkg.__spec__ = spec
-    pkg.__path__ = [str(root)]
-    pkg.__package__ = name
-    pkg.__file__ = None
-    sys.modules[name] = pkg
+        raise RuntimeError(f"[layerwise-offload] the repository root {root} is on sys.path; remove it: its nodes/ "
+                           "folder would clash with ComfyUI's top-level module `nodes`.")
+    pkg = types.ModuleType(PACK_NAME)
+    pkg.__spec__ = importlib.machinery.ModuleSpec(PACK_NAME, None, is_package=True)
+    pkg.__spec__.submodule_search_locations = pkg.__path__ = [str(root)]
+    pkg.__package__, pkg.__file__ = PACK_NAME, None
+    sys.modules[PACK_NAME] = pkg
     return pkg
 
 
@@ -99,37 +92,20 @@ def enter_pack(module_globals: Optional[dict] = None) -> None:
         module_globals["__package__"] = ".".join((PACK_NAME, *folder.parts))
 
 
-def _loaded_comfy_dir() -> Optional[Path]:
-    """The ComfyUI folder the already-imported ``comfy`` package comes from, if any."""
-    mod = sys.modules.get("comfy.model_management") or sys.modules.get("comfy.options")
-    if mod is None or not getattr(mod, "__file__", None):
-        return None
-    return Path(mod.__file__).resolve().parents[1]
-
-
-def import_comfyui(path: Optional[PathLike] = None, *, cpu: bool = True, import_nodes: bool = True) -> types.SimpleNamespace:
-    """Import ComfyUI in this process and return its commonly used modules.
-
-    - puts the ComfyUI folder (see :func:`comfyui_path`) first on ``sys.path``;
-    - ``comfy.options.enable_args_parsing(False)`` (ComfyUI must not parse pytest's argv);
-    - ``comfy.cli_args.args.cpu = cpu`` before ``comfy.model_management`` is imported (so the device is the CPU
-      unless ``cpu=False``; on a GPU machine pass ``cpu=False`` before anything else imports ComfyUI);
-    - imports ComfyUI's ``nodes`` (the built-in node classes) unless ``import_nodes=False``.
-
-    Idempotent. Raises ``RuntimeError`` if a different ComfyUI is already imported in this process, or if ComfyUI
-    was already imported with another device choice.
-
-    Returns a ``SimpleNamespace`` with: ``path`` (Path), ``comfy`` (package), ``args`` (comfy.cli_args.args),
-    ``model_management``, ``model_patcher``, ``patcher_extension``, ``sd``, ``sample``, ``samplers``, ``utils``,
-    ``supported_models``, ``model_base``, ``ops``, ``folder_paths`` and ``nodes`` (ComfyUI's, or None).
-    """
+def import_comfyui(path: Optional[PathLike] = None, *, cpu: bool = True,
+                   import_nodes: bool = True) -> types.SimpleNamespace:
+    """Import ComfyUI in this process (idempotent) and return its commonly used modules as a namespace: ComfyUI's
+    folder (:func:`comfyui_path`) goes first on ``sys.path``, argument parsing is turned off (ComfyUI must not parse
+    pytest's argv), ``args.cpu = cpu`` is set before ``comfy.model_management`` is imported (on a GPU machine pass
+    ``cpu=False`` before anything else imports ComfyUI), and ComfyUI's ``nodes`` is imported unless
+    ``import_nodes=False``. Raises ``RuntimeError`` if another ComfyUI, or this one with another device choice, is
+    already imported."""
     comfy_dir = comfyui_path(path)
-    loaded = _loaded_comfy_dir()
+    loaded = sys.modules.get("comfy.model_management") or sys.modules.get("comfy.options")
+    loaded = Path(loaded.__file__).resolve().parents[1] if getattr(loaded, "__file__", None) else None
     if loaded is not None and loaded != comfy_dir:
-        raise RuntimeError(
-            f"[layerwise-offload] ComfyUI from {loaded} is already imported; cannot also import {comfy_dir} "
-            "in the same process."
-        )
+        raise RuntimeError(f"[layerwise-offload] ComfyUI from {loaded} is already imported; cannot also import "
+                           f"{comfy_dir} in the same process.")
     if str(comfy_dir) not in sys.path:
         sys.path.insert(0, str(comfy_dir))
 
@@ -143,27 +119,12 @@ def import_comfyui(path: Optional[PathLike] = None, *, cpu: bool = True, import_
     if first_time:
         args.cpu = bool(cpu)
     elif bool(args.cpu) != bool(cpu):
-        raise RuntimeError(
-            f"[layerwise-offload] ComfyUI is already imported with cpu={args.cpu}; import_comfyui(cpu={cpu}) "
-            "cannot change the device any more (call it before anything imports comfy.model_management)."
-        )
-
-    mods = {}
-    for name in (
-        "comfy.model_management",
-        "comfy.utils",
-        "comfy.ops",
-        "comfy.model_patcher",
-        "comfy.patcher_extension",
-        "comfy.model_base",
-        "comfy.supported_models",
-        "comfy.sd",
-        "comfy.samplers",
-        "comfy.sample",
-        "folder_paths",
-    ):
-        mods[name.rsplit(".", 1)[-1]] = importlib.import_module(name)
-
+        raise RuntimeError(f"[layerwise-offload] ComfyUI is already imported with cpu={args.cpu}; "
+                           f"import_comfyui(cpu={cpu}) cannot change the device any more (call it before anything "
+                           "imports comfy.model_management).")
+    mods = {name.rsplit(".", 1)[-1]: importlib.import_module(name) for name in (
+        "comfy.model_management", "comfy.utils", "comfy.ops", "comfy.model_patcher", "comfy.patcher_extension",
+        "comfy.model_base", "comfy.supported_models", "comfy.sd", "comfy.samplers", "comfy.sample", "folder_paths")}
     comfy_nodes = None
     if import_nodes:
         comfy_nodes = importlib.import_module("nodes")

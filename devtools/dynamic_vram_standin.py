@@ -12,8 +12,9 @@ for each GPU) and, when that works, makes ``ModelPatcherDynamic`` the class ever
 * ``ModelPatcherDynamic.__new__`` hands a CPU load device back to the classic ``ModelPatcher``, and
   ``partially_unload`` asserts the load device is not the CPU; the stand-in plays a GPU on the CPU (as the offload's
   CPU loopback does), so the reroute is lifted and an unload on the CPU does what ``partially_unload`` does with no
-  VBAR (it restores the force-loaded backups). Everything else in the class runs as written: ``load()`` (its ``_load_list(for_dynamic=True)``, the LowVramPatch set-up, aimdo host buffers),
-  ``clone(disable_dynamic=..., model_override=...)``, ``get_non_dynamic_delegate()``, ``detach``, ``__del__``.
+  VBAR (it restores the force-loaded backups). Everything else in the class runs as written: ``load()`` (its
+  ``_load_list(for_dynamic=True)``, the LowVramPatch set-up, aimdo host buffers), ``clone(disable_dynamic=...,
+  model_override=...)``, ``get_non_dynamic_delegate()``, ``detach``, ``__del__``.
 * What cannot run: the VBAR (``_vbar_get`` returns None for a CPU device, so no module gets ``_v``) and with it
   the VBAR cast path in ``comfy.ops``. Without it ComfyUI casts every weight the classic way, and LoRA patches of a
   dynamic model (``weight_lowvram_function``, applied only on the VBAR path) are not applied: a dynamic run with a

@@ -89,65 +89,48 @@ def default_python() -> str:
     return str(venv) if venv.is_file() else sys.executable
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host`` (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def link_pack(custom_nodes: PathLike, pack_root: Optional[PathLike] = None, name: str = PACK_FOLDER) -> Path:
-    """Symlink ``pack_root`` (default: this repository) as ``<custom_nodes>/<name>``; replaces a stale link."""
-    custom_nodes = Path(custom_nodes)
-    custom_nodes.mkdir(parents=True, exist_ok=True)
-    target = Path(pack_root).resolve() if pack_root else repo_root()
-    link = custom_nodes / name
-    if link.is_symlink():
-        if Path(os.readlink(link)) == target:
-            return link
-        link.unlink()
-    elif link.exists():
-        raise FileExistsError(f"{link} exists and is not a symlink; remove it or install elsewhere")
-    link.symlink_to(target, target_is_directory=True)
-    return link
-
-
-def prepare_base_dir(base: PathLike, pack_root: Optional[PathLike] = None, install_pack: bool = True) -> Path:
+def prepare_base_dir(base: PathLike) -> Path:
     """Create a ComfyUI base directory (custom_nodes, models/{diffusion_models,vae,text_encoders}, input, output,
-    temp, user) and, unless ``install_pack`` is False, link the pack into custom_nodes. Returns the base path."""
+    temp, user) with ``custom_nodes/layerwise-offload`` a link to this repository (a stale link is replaced)."""
     base = Path(base).resolve()
     for sub in ("custom_nodes", "models/diffusion_models", "models/vae", "models/text_encoders", "input", "output",
                 "temp", "user"):
         (base / sub).mkdir(parents=True, exist_ok=True)
-    if install_pack:
-        link_pack(base / "custom_nodes", pack_root)
+    link = base / "custom_nodes" / PACK_FOLDER
+    if link.is_symlink() and Path(os.readlink(link)) != repo_root():
+        link.unlink()
+    elif link.exists() and not link.is_symlink():
+        raise FileExistsError(f"{link} exists and is not a symlink; remove it or install elsewhere")
+    if not link.is_symlink():
+        link.symlink_to(repo_root(), target_is_directory=True)
     return base
 
 
 class ComfyServer:
-    """One ComfyUI server process: ``python main.py --listen 127.0.0.1 --port P --base-directory B [--cpu]``.
+    """One ComfyUI server process: ``python main.py --listen 127.0.0.1 --port P --base-directory B [--cpu]`` on a
+    free port, with the repository's venv for it (:func:`default_python`).
 
     ``env`` entries are added to the child's environment (e.g. ``LAYERWISE_OFFLOAD_CPU_LOOPBACK=1``).
-    ``extra_args`` go to main.py as they are. The log (stdout+stderr) goes to ``<base>/comfyui.log`` unless
-    ``log_path`` is given. Use as a context manager, or call :meth:`start` / :meth:`stop`.
+    ``extra_args`` go to main.py as they are. The log (stdout+stderr) goes to ``<base>/comfyui.log``. Use as a
+    context manager, or call :meth:`start` / :meth:`stop`.
     """
 
-    def __init__(self, base_dir: Optional[PathLike], port: Optional[int] = None, cpu: bool = True,
-                 env: Optional[Mapping[str, str]] = None, extra_args: Sequence[str] = (),
-                 comfyui_path: Optional[PathLike] = None, python: Optional[str] = None,
-                 log_path: Optional[PathLike] = None, host: str = "127.0.0.1") -> None:
+    def __init__(self, base_dir: Optional[PathLike], cpu: bool = True, env: Optional[Mapping[str, str]] = None,
+                 extra_args: Sequence[str] = (), comfyui_path: Optional[PathLike] = None) -> None:
         self.comfyui_path = Path(comfyui_path).resolve() if comfyui_path else default_comfyui_path()
         # base_dir None: ComfyUI's own folders (no --base-directory), as a user's install runs.
         self.use_base_arg = base_dir is not None
         self.base_dir = Path(base_dir).resolve() if base_dir is not None else self.comfyui_path
-        self.host = host
-        self.port = port or free_port(host)
+        self.host = "127.0.0.1"
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # a port that is free now (the OS picks it)
+            s.bind((self.host, 0))
+            self.port = s.getsockname()[1]
         self.cpu = cpu
         self.env = dict(env or {})
         self.extra_args = list(extra_args)
-        self.python = python or default_python()
-        self.log_path = Path(log_path) if log_path else (
-            self.base_dir / "comfyui.log" if self.use_base_arg else self.comfyui_path / "user" / "layerwise_offload_server.log")
+        self.python = default_python()
+        self.log_path = (self.base_dir / "comfyui.log" if self.use_base_arg else
+                         self.comfyui_path / "user" / "layerwise_offload_server.log")
         self.proc: Optional[subprocess.Popen] = None
         self.client_id = uuid.uuid4().hex
         self._log_file = None

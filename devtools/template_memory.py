@@ -151,10 +151,6 @@ def plan_for(plans: Dict, key: str) -> Dict:
     return next(t for t in plans["templates"] if t["key"] == key)
 
 
-def picks(plans: Dict, t: Dict) -> List[str]:
-    return ["0*" if r is None else str(r) for r in t["resident"]]
-
-
 def disk_tier_ram_bytes(plans: Dict, t: Dict) -> int:
     """System RAM with every streamed block on disk (host_store disk, the weights left in the file by Load
     Diffusion Model (Layerwise)): each expert's non-block weights and staging ring (prefetch + 2 of its largest
@@ -172,11 +168,10 @@ def markdown_table(plans: Dict) -> List[str]:
              + " | ".join(f"-1 on {c} GB" for c in cards) + " |",
              "| --- | --- | --- | --- | --- | --- | " + " | ".join("---" for _ in cards) + " |"]
     for t in plans["templates"]:
-        n = len(t["block_bytes"])
-        avg = sum(t["block_bytes"]) / n
-        lines.append(f"| {t['name']} | {n} ({avg / GB:.2f} GB) | {t['dit_bytes'] / GB:.1f} GB | "
+        n, picks = len(t["block_bytes"]), ["0*" if r is None else str(r) for r in t["resident"]]
+        lines.append(f"| {t['name']} | {n} ({sum(t['block_bytes']) / n / GB:.2f} GB) | {t['dit_bytes'] / GB:.1f} GB | "
                      f"{t['ram_bytes'] / GB:.0f} GB | {disk_tier_ram_bytes(plans, t) / GB:.0f} GB | "
-                     f"{t['activation_bytes'] / GB:.1f} GB | " + " | ".join(picks(plans, t)) + " |")
+                     f"{t['activation_bytes'] / GB:.1f} GB | " + " | ".join(picks) + " |")
     return lines
 
 

@@ -16,6 +16,9 @@ FRONTEND_ONLY = frozenset({"Note", "MarkdownNote", "Reroute", "PrimitiveNode"})
 #: Scalar input types the frontend shows as widgets (COMBO and list-typed inputs are widgets too).
 WIDGET_TYPES = frozenset({"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"})
 
+#: What a widget value of each scalar type must be (a bool is an int to Python: not accepted for INT or FLOAT).
+_SCALARS = {"INT": (int, "an int"), "FLOAT": ((int, float), "a number"), "BOOLEAN": (bool, "a boolean"),
+            "STRING": (str, "a string")}
 _BYPASS, _MUTE = 4, 2
 
 
@@ -181,22 +184,13 @@ def _check_widgets(n: Dict[str, Any], info: Dict[str, Any], linked, check_files:
             if (not file_list or check_files) and value not in options:
                 problems.append(f"{where}: not one of {options[:12]}")
             continue
-        if typ == "INT":
-            if isinstance(value, bool) or not isinstance(value, int):
-                problems.append(f"{where}: not an int")
+        if typ in _SCALARS:
+            kinds, what = _SCALARS[typ]
+            if not isinstance(value, kinds) or (isinstance(value, bool) and typ != "BOOLEAN"):
+                problems.append(f"{where}: not {what}")
                 continue
-        elif typ == "FLOAT":
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                problems.append(f"{where}: not a number")
+            if typ in ("BOOLEAN", "STRING"):
                 continue
-        elif typ == "BOOLEAN":
-            if not isinstance(value, bool):
-                problems.append(f"{where}: not a boolean")
-            continue
-        elif typ == "STRING":
-            if not isinstance(value, str):
-                problems.append(f"{where}: not a string")
-            continue
         if "min" in opts and value < opts["min"]:
             problems.append(f"{where}: below min {opts['min']}")
         if "max" in opts and value > opts["max"]:
