@@ -1,26 +1,17 @@
-"""Weight formats side by side (``comfy_bench.py --formats bf16,fp8_mixed,gguf_q4_0``): the same preset's blocks
-in bf16, in ComfyUI's fp8 mixed precision and in GGUF Q4_0, each loaded the way a user loads it, each sampled
-fully loaded (that format's own reference) and through this pack's node at the ``--residents`` counts.
+"""Weight formats side by side (``comfy_bench.py --formats``): the same Wan preset's blocks in bf16 (as built), as
+ComfyUI's fp8 mixed precision (devtools/quantized_models.py; loaded by UNETLoader's ``load_diffusion_model``:
+``QuantizedTensor``) and as GGUF (block matrices in Q4_0, or F16 / Q8_0 / Q5_0; loaded by ComfyUI-GGUF's
+``UnetLoaderGGUF``, unmodified, from shared/peers: ``GGMLTensor``; skipped, with the reason, without that source or
+the ``gguf`` package). Each format runs fully loaded (its own reference) and through the node at ``--residents``.
 
-- ``bf16``: the preset built with random weights (``dit_presets.build``), as ``comfy.sd.load_diffusion_model``
-  builds a bf16 file.
-- ``fp8_mixed``: the same weights written as ComfyUI's mixed-precision safetensors (fp8 e4m3 block linears with a
-  per-tensor scale, devtools/quantized_models.py) and loaded by ``comfy.sd.load_diffusion_model`` (UNETLoader):
-  ``QuantizedTensor`` weights.
-- ``gguf_q4_0``: the same weights as a GGUF file with Q4_0 block matrices, loaded by ComfyUI-GGUF's
-  ``UnetLoaderGGUF`` (unmodified, from shared/peers): ``GGMLTensor`` weights. Skipped, with a line saying why,
-  where that pack's source or the ``gguf`` package is missing.
-
-Wan presets only (``wan21_14b``, ``tiny_wan``): the files must be read back by ComfyUI's model detection.
-Per run: the weight type ComfyUI's loader produced, the streamed blocks' stored bytes (their parts' bytes, from the
-loaded weights), the bytes the node's layout streams per forward and the bytes its counters saw moved per forward
-(equal to the layout's), their ratio to bf16 at the same resident count, the step time and whether the output is
-bitwise the same format's full-load output. Writes ``format_bench_<preset>_<device>.csv`` and ``.md``.
+Per run: the weight type the loader made, the streamed blocks' stored bytes, the bytes the node's layout streams
+per forward and those its counters saw moved (equal), their ratio to bf16 at the same resident count, the step
+time and whether the output is bitwise its format's full load: ``format_bench_<preset>_<device>.csv`` and ``.md``.
+``wan14b_table``: what the host store packs for one Wan 2.1 14B block per format, from the stored parts' shapes.
 """
 
 from __future__ import annotations
 
-import csv
 import gc
 import importlib.util
 import tempfile
@@ -29,39 +20,36 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .bench_config import BenchConfig
-from .bench_modes import Harness
+from .comfy_bench import BenchConfig, Harness
+from .measure import write_csv
 from ..devtools import peers
 from ..devtools.quantized_models import save_fp8_mixed, save_gguf
-from ..offload import choose_resident_blocks
-from ..offload import weight_nbytes
+from ..offload import choose_resident_blocks, weight_nbytes
 
-FORMATS = ("bf16", "fp8_mixed", "gguf_q4_0")
+FORMATS = ("bf16", "fp8_mixed", "gguf_q4_0")  # the default comparison
+ALL_FORMATS = ("bf16", "fp8_mixed", "gguf_f16", "gguf_q8_0", "gguf_q5_0", "gguf_q4_0")
+GGML_BYTES_PER_32 = {"F16": 64, "Q8_0": 34, "Q5_0": 22, "Q4_0": 18}
 FORMAT_COLUMNS = [
     "preset", "device", "format", "loader", "weight_type", "mode", "num_blocks", "resident", "streamed_blocks",
     "stored_bytes_per_block", "streamed_stored_bytes", "streamed_bytes_per_forward", "h2d_bytes_per_forward",
     "vs_bf16", "step_ms", "forwards_per_step", "stall_ms_per_step", "bitwise_equal", "error",
 ]
-LOADERS = {"bf16": "random weights, as UNETLoader builds bf16", "fp8_mixed": "UNETLoader (fp8 mixed safetensors)",
-           "gguf_q4_0": "UnetLoaderGGUF (ComfyUI-GGUF)"}
+LOADERS = {"bf16": "random weights, as UNETLoader builds bf16", "fp8_mixed": "UNETLoader (fp8 mixed safetensors)"}
 
 
-class FormatHarness(Harness):
-    """The side-by-side harness over a model a loader returns, instead of the preset built in bf16."""
+def _qtype(fmt: str) -> str:
+    return fmt[len("gguf_"):].upper()
 
-    def __init__(self, config: BenchConfig, load: Callable[[], object]):
-        super().__init__(config)
-        self._load = load
 
-    def build_patcher(self):
-        return self._load()
+def _loader(fmt: str) -> str:
+    return LOADERS.get(fmt, "UnetLoaderGGUF (ComfyUI-GGUF)")
 
 
 def parse_formats(text: str) -> Tuple[str, ...]:
-    chosen = tuple(f.strip() for f in text.split(",") if f.strip())
-    unknown = [f for f in chosen if f not in FORMATS]
+    chosen = ALL_FORMATS if text.strip() == "all" else tuple(f.strip() for f in text.split(",") if f.strip())
+    unknown = [f for f in chosen if f not in ALL_FORMATS]
     if unknown:
-        raise ValueError(f"--formats {text!r}: unknown {unknown}; known: {', '.join(FORMATS)}")
+        raise ValueError(f"--formats {text!r}: unknown {unknown}; known: {', '.join(ALL_FORMATS)} or all")
     return chosen
 
 
@@ -75,7 +63,7 @@ def check_preset(preset: str) -> None:
 
 
 def gguf_missing() -> str:
-    """Why the GGUF format cannot run here ('' when it can)."""
+    """Why the GGUF formats cannot run here ('' when they can)."""
     if peers.peer_tarball() is None:
         return f"no shared/peers/{peers.GGUF_TARBALL} (set LAYERWISE_OFFLOAD_SHARED to the folder holding peers/)"
     if importlib.util.find_spec("gguf") is None:
@@ -92,62 +80,52 @@ def _loaders(formats, state_dict, workdir: Path, log) -> Tuple[Dict[str, Callabl
     if "fp8_mixed" in formats:
         path = save_fp8_mixed(dict(state_dict), workdir / "bench_fp8_mixed.safetensors", "format bench, fp8 mixed")
         loaders["fp8_mixed"] = lambda: comfy.sd.load_diffusion_model(path)
-    if "gguf_q4_0" in formats:
-        why = gguf_missing()
-        if why:
-            skipped.append(f"gguf_q4_0: skipped, {why}")
-            log(skipped[-1])
-        else:
-            import comfy.cli_args
-            from ..devtools import comfy_env
+    gguf = [f for f in formats if f.startswith("gguf_")]
+    why = gguf_missing() if gguf else ""
+    for fmt in gguf if why else ():
+        skipped.append(f"{fmt}: skipped, {why}")
+        log(skipped[-1])
+    if gguf and not why:
+        import comfy.cli_args
+        from ..devtools import comfy_env
 
-            comfy_env.import_comfyui(cpu=bool(comfy.cli_args.args.cpu))  # ComfyUI's nodes: ComfyUI-GGUF imports them
-            gguf_pack = peers.import_comfyui_gguf(workdir / "custom_nodes")
-            save_gguf(state_dict, workdir / "models" / "bench_q4_0.gguf", "Q4_0")
-            folder_paths.add_model_folder_path("diffusion_models", str(workdir / "models"))
-            loaders["gguf_q4_0"] = lambda: gguf_pack.nodes.UnetLoaderGGUF().load_unet("bench_q4_0.gguf")[0]
+        comfy_env.import_comfyui(cpu=bool(comfy.cli_args.args.cpu))  # ComfyUI's nodes: ComfyUI-GGUF imports them
+        gguf_pack = peers.import_comfyui_gguf(workdir / "custom_nodes")
+        folder_paths.add_model_folder_path("diffusion_models", str(workdir / "models"))
+        for fmt in gguf:
+            name = f"bench_{_qtype(fmt).lower()}.gguf"
+            save_gguf(state_dict, workdir / "models" / name, _qtype(fmt))
+            loaders[fmt] = lambda name=name: gguf_pack.nodes.UnetLoaderGGUF().load_unet(name)[0]
     return loaders, skipped
 
 
-def _stored_bytes(harness) -> Tuple[List[int], str]:
-    """Each block's stored bytes (the parts of its weights, as loaded) and the type of its largest weight."""
-    sizes, kind = [], ""
+def _rows(fmt: str, harness, result) -> List[Dict[str, object]]:
+    """The format's rows from the harness's full and layerwise rows, with each block's stored bytes (the parts of
+    its weights, as loaded) and the type of its largest weight."""
+    stored, kind = [], ""
     for block in harness.discovered.blocks:
         params = list(block.parameters())
-        sizes.append(sum(weight_nbytes(p) for p in params))
+        stored.append(sum(weight_nbytes(p) for p in params))
         kind = kind or type(max(params, key=weight_nbytes)).__name__
-    return sizes, kind
-
-
-def _rows(fmt: str, harness, result, stored: List[int], kind: str) -> List[Dict[str, object]]:
-    rows = []
-    n = len(stored)
+    harness.log(f"{fmt}: {kind} weights, {max(stored) / 2**20:.1f} MiB stored per block")
+    rows, n = [], len(stored)
     for r in result.rows:
         if r["mode"] not in ("full", "layerwise"):
             continue
         keep = choose_resident_blocks(n, r["resident"], r["policy"] or "leading") if r["mode"] == "layerwise" \
             else [True] * n
-        forwards = r["forwards_per_step"] or 1
-        moved = "" if r["h2d_bytes_per_step"] == "" else r["h2d_bytes_per_step"] / forwards
+        moved = "" if r["h2d_bytes_per_step"] == "" else r["h2d_bytes_per_step"] / (r["forwards_per_step"] or 1)
         moved = int(moved) if moved != "" and float(moved).is_integer() else moved  # whole bytes stay exact in the CSV
         row = {c: "" for c in FORMAT_COLUMNS}
-        row.update(preset=r["preset"], device=r["device"], format=fmt, loader=LOADERS[fmt], weight_type=kind,
+        row.update(preset=r["preset"], device=r["device"], format=fmt, loader=_loader(fmt), weight_type=kind,
                    mode=r["mode"], num_blocks=n, resident=r["resident"], streamed_blocks=keep.count(False),
                    stored_bytes_per_block=max(stored),
                    streamed_stored_bytes=sum(s for s, k in zip(stored, keep) if not k),
-                   streamed_bytes_per_forward=r["streamed_bytes_per_forward"],
-                   h2d_bytes_per_forward=moved,
+                   streamed_bytes_per_forward=r["streamed_bytes_per_forward"], h2d_bytes_per_forward=moved,
                    step_ms=r["step_ms"], forwards_per_step=r["forwards_per_step"],
                    stall_ms_per_step=r["stall_ms_per_step"], bitwise_equal=r["bitwise_equal"], error=r["error"])
         rows.append(row)
     return rows
-
-
-def _failed_row(config: BenchConfig, fmt: str, error: Exception) -> Dict[str, object]:
-    row = {c: "" for c in FORMAT_COLUMNS}
-    row.update(preset=config.preset, format=fmt, loader=LOADERS[fmt], mode="full", bitwise_equal=False,
-               error=f"{type(error).__name__}: {error}"[:300])
-    return row
 
 
 def run_formats(config: BenchConfig, log) -> Tuple[List[Dict[str, object]], List[str]]:
@@ -158,26 +136,26 @@ def run_formats(config: BenchConfig, log) -> Tuple[List[Dict[str, object]], List
     bf16.setup()  # imports ComfyUI for the device and builds the preset: the weights every format starts from
     state_dict = {k: v.detach().to("cpu", copy=True) for k, v in bf16.diffusion_model.state_dict().items()}
     rows: List[Dict[str, object]] = []
-    skipped: List[str] = []
     with tempfile.TemporaryDirectory(prefix="lwo_formats_") as tmp:
         loaders, skipped = _loaders(config.formats, state_dict, Path(tmp), log)
         del state_dict
         if "bf16" not in config.formats:
             bf16.teardown()
-        for fmt in (f for f in FORMATS if f in config.formats):  # bf16 first: its harness holds the weights
+        for fmt in (f for f in ALL_FORMATS if f in config.formats):  # bf16 first: its harness holds the weights
             if fmt != "bf16" and fmt not in loaders:
                 continue
-            harness = bf16 if fmt == "bf16" else FormatHarness(config, loaders[fmt])
+            harness = bf16 if fmt == "bf16" else Harness(config, loaders[fmt])
             try:
                 if harness is not bf16:
                     harness.setup()
-                stored, kind = _stored_bytes(harness)
-                log(f"{fmt}: {kind} weights, {max(stored) / 2**20:.1f} MiB stored per block")
-                rows += _rows(fmt, harness, harness.run(), stored, kind)
+                rows += _rows(fmt, harness, harness.run())
             except Exception as error:  # noqa: BLE001 - one format failing is a result; the others still run
                 import traceback
                 traceback.print_exc()
-                rows.append(_failed_row(config, fmt, error))
+                row = {c: "" for c in FORMAT_COLUMNS}
+                row.update(preset=config.preset, format=fmt, loader=_loader(fmt), mode="full", bitwise_equal=False,
+                           error=f"{type(error).__name__}: {error}"[:300])
+                rows.append(row)
             finally:
                 harness.teardown()
             bf16 = harness = None
@@ -214,10 +192,43 @@ def write_format_outputs(rows, skipped, config: BenchConfig, device: str) -> Dic
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = out / f"format_bench_{config.preset}_{device}"
-    with open(f"{stem}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=FORMAT_COLUMNS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({c: (f"{row[c]:.6g}" if isinstance(row[c], float) else row[c]) for c in FORMAT_COLUMNS})
     Path(f"{stem}.md").write_text(markdown(rows, skipped))
-    return {"csv": f"{stem}.csv", "md": f"{stem}.md"}
+    return {"csv": write_csv(f"{stem}.csv", rows, FORMAT_COLUMNS), "md": f"{stem}.md"}
+
+
+def wan14b_block_parts(fmt: str):
+    """(name, shape, dtype) of what the host store packs for one Wan 2.1 14B block (dim 5120, ffn 13824) in ``fmt``."""
+    dim, ffn = 5120, 13824
+    linears = [(f"{a}.{p}", (dim, dim)) for a in ("self_attn", "cross_attn") for p in "qkvo"]
+    linears += [("ffn.0", (ffn, dim)), ("ffn.2", (dim, ffn))]
+    vectors = [(f"{n}.bias", (o,)) for n, (o, _) in linears]
+    vectors += [(f"{a}.norm_{x}.weight", (dim,)) for a in ("self_attn", "cross_attn") for x in "qk"]
+    vectors += [("norm3.weight", (dim,)), ("norm3.bias", (dim,)), ("modulation", (1, 6, dim))]
+    parts = []
+    for name, (out_f, in_f) in linears:
+        if fmt == "bf16":
+            parts.append((name, (out_f, in_f), torch.bfloat16))
+        elif fmt == "fp8_mixed":
+            parts += [(name + ":qdata", (out_f, in_f), torch.float8_e4m3fn), (name + ":scale", (), torch.float32)]
+        else:
+            parts.append((name, (out_f, in_f // 32 * GGML_BYTES_PER_32[_qtype(fmt)]), torch.uint8))
+    # 1-D tensors: the compute dtype (bf16, fp8 mixed), float32 in GGUF files (as ComfyUI-GGUF's convert keeps them)
+    vector_dtype = torch.bfloat16 if fmt in ("bf16", "fp8_mixed") else torch.float32
+    return parts + [(name, shape, vector_dtype) for name, shape in vectors]
+
+
+def wan14b_table(formats) -> str:
+    """Bytes one streamed Wan 2.1 14B block puts on the wire per format: ``plan_layout`` of its stored parts
+    (computed, not run: such a block does not fit the CPU benchmark's budget)."""
+    from ..offload.host.packing import plan_layout  # looks inside: the host store's own layout of a block
+
+    def nbytes(fmt):
+        return plan_layout([(n, torch.nn.Parameter(torch.empty(s, dtype=d, device="meta"), requires_grad=False))
+                            for n, s, d in wan14b_block_parts(fmt)]).nbytes
+    base = nbytes("bf16")
+    lines = ["Wan 2.1 14B block shape (dim 5120, ffn 13824), bytes one streamed block puts on the wire "
+             "(plan_layout of the stored parts):", "", "| format | bytes per block | MiB | vs bf16 |",
+             "| --- | --- | --- | --- |"]
+    for fmt in dict.fromkeys(("bf16", *formats)):
+        lines.append(f"| {fmt} | {nbytes(fmt):,} | {nbytes(fmt) / 2**20:.1f} | {nbytes(fmt) / base:.2f} |")
+    return "\n".join(lines) + "\n"

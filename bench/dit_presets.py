@@ -1,18 +1,11 @@
-"""Benchmark-size DiTs built from ComfyUI's OWN model classes, with random weights.
+"""Benchmark-size DiTs built from ComfyUI's OWN model classes, with random weights: real-size blocks (the released
+models' hidden size, heads and MLP) and real latent and text sizes, but fewer blocks, so a run fits in minutes while
+each block's copy and compute is what a user's GPU sees.
 
-Real-size blocks (the hidden size, heads and MLP of the released models), but fewer of them, so a
-benchmark fits in minutes while each block copy and each block's compute is what a user's GPU sees.
-The latent and text sizes are the real ones too (Flux at 1024x1024 = 4096 image tokens + 512 T5 tokens,
-Wan 2.1 14B at 480p x 33 frames, Qwen-Image at 1024x1024).
-
-``build(preset, ...)`` returns a ``comfy.model_patcher.ModelPatcher`` exactly like
-``comfy.sd.load_diffusion_model`` would (weights on ComfyUI's offload device, in the preset's dtype), so
-ComfyUI's own loading, lowvram casting and sampling run on it unchanged. Unlike ``devtools/tiny_dits.py``
-it works whichever device ComfyUI was imported for (tiny_dits imports ComfyUI in CPU mode), and it draws
-the random weights on the compute device when that is a GPU: a few GiB of ``torch.randn`` on one CPU
-core would take minutes.
-
-ComfyUI must already be imported (``devtools/comfy_env.import_comfyui``) when these functions run.
+``build`` returns a ``ModelPatcher`` as ``comfy.sd.load_diffusion_model`` would (weights on ComfyUI's offload device,
+in the preset's dtype). Unlike devtools/tiny_dits.py it works for whichever device ComfyUI was imported for, and it
+draws the random weights on the compute device when that is a GPU (a few GiB of ``torch.randn`` on one CPU core
+would take minutes). ComfyUI must already be imported (``devtools/comfy_env.import_comfyui``).
 """
 
 from __future__ import annotations
@@ -26,16 +19,13 @@ import torch
 
 from ..devtools.comfy_env import with_fields_this_comfyui_needs
 
-__all__ = ["Preset", "PRESETS", "build", "check_resolves", "conditioning", "sample", "parse_blocks"]
+__all__ = ["Preset", "PRESETS", "build", "conditioning", "sample"]
 
 
 @dataclass(frozen=True)
 class Preset:
-    """One benchmark model: a ComfyUI config class, its unet_config, and what sampling feeds it.
-
-    ``block_keys`` are the unet_config keys that set the block counts (in call order), ``blocks`` their
-    defaults here (fewer than the released model: ``full_blocks``).
-    """
+    """One benchmark model: a ComfyUI config class, its unet_config, and what sampling feeds it. ``block_keys`` set
+    the block counts (in call order), ``blocks`` their defaults here (fewer than the released ``full_blocks``)."""
 
     name: str
     comfy_config: str  # class name in comfy.supported_models
@@ -112,13 +102,6 @@ PRESETS: Dict[str, Preset] = {p.name: p for p in (
 )}
 
 
-def parse_blocks(text: Optional[str]) -> Optional[Tuple[int, ...]]:
-    """'4,8' -> (4, 8); None/'' -> None (the preset's default)."""
-    if not text:
-        return None
-    return tuple(int(part) for part in str(text).split(","))
-
-
 def _comfy():
     mm = sys.modules.get("comfy.model_management")
     if mm is None:
@@ -127,18 +110,6 @@ def _comfy():
     import comfy.sample
     import comfy.supported_models
     return mm, comfy.supported_models, comfy.model_patcher, comfy.sample
-
-
-def check_resolves(preset: "Preset | str", supported_models) -> str:
-    """The preset's ComfyUI config class accepts its unet_config in this ComfyUI (no model is built);
-    returns the class name. What the dry runs of bench/gpu_run.sh check before any CUDA call."""
-    preset = PRESETS[preset] if isinstance(preset, str) else preset
-    cfg_cls = getattr(supported_models, preset.comfy_config, None)
-    if cfg_cls is None:
-        raise RuntimeError(f"this ComfyUI has no supported_models.{preset.comfy_config} (preset {preset.name})")
-    if not cfg_cls.matches({**cfg_cls.unet_config, **preset.config_with_blocks()}):
-        raise RuntimeError(f"{preset.comfy_config}.matches() rejects preset {preset.name} on this ComfyUI")
-    return preset.comfy_config
 
 
 @torch.no_grad()
@@ -196,16 +167,12 @@ def conditioning(preset: "Preset | str", seed: int = 0):
     return out[0], out[1]
 
 
-def sample(patcher, preset: "Preset | str", seed: int = 0, steps: int = 4, callback: Optional[Callable] = None,
-           cfg: Optional[float] = None, positive=None, negative=None) -> torch.Tensor:
-    """``comfy.sample.sample`` (what the KSampler node runs) from an empty latent of the preset's shape,
-    Euler / simple, noise from ``seed``. Returns the output latent (on ComfyUI's intermediate device)."""
+def sample(patcher, preset: "Preset | str", seed: int = 0, steps: int = 4, callback: Optional[Callable] = None):
+    """``comfy.sample.sample`` (what the KSampler node runs) from an empty latent of the preset's shape, Euler /
+    simple, noise and conditioning from ``seed``. Returns the output latent (on ComfyUI's intermediate device)."""
     preset = PRESETS[preset] if isinstance(preset, str) else preset
-    _, _, _, comfy_sample = _comfy()
-    if positive is None or negative is None:
-        positive, negative = conditioning(preset, seed)
-    latent = torch.zeros(preset.latent_shape, dtype=torch.float32)
-    latent = comfy_sample.fix_empty_latent_channels(patcher, latent)
-    noise = comfy_sample.prepare_noise(latent, seed)
-    return comfy_sample.sample(patcher, noise, steps, preset.cfg if cfg is None else cfg, "euler", "simple",
+    comfy_sample = _comfy()[3]
+    positive, negative = conditioning(preset, seed)
+    latent = comfy_sample.fix_empty_latent_channels(patcher, torch.zeros(preset.latent_shape, dtype=torch.float32))
+    return comfy_sample.sample(patcher, comfy_sample.prepare_noise(latent, seed), steps, preset.cfg, "euler", "simple",
                                positive, negative, latent, callback=callback, disable_pbar=True, seed=seed)

@@ -1,17 +1,11 @@
 #!/usr/bin/env bash
-# Prepare .gpu/ so that bench/gpu_run.sh can run on a GPU machine with torch but no ComfyUI and no network.
-# Run it HERE (a machine with the dev environment and PyPI access), once:
-#
-#   bash bench/gpu_prep.sh
-#
-# It makes (ignored by git through .git/info/exclude, never committed; must stay under 60 MiB, checked at the end):
-#   .gpu/comfyui-0.3.75.tar.gz   ComfyUI 0.3.75 ($COMFYUI_PATH or .comfyui/ComfyUI), minus tests and model files
-#   .gpu/comfyui-0.14.1.tar.gz   ComfyUI 0.14.1 (.comfyui/ComfyUI-0.14.1, else $COMFYUI_014_TARBALL), the same way
+# Prepare .gpu/ for bench/gpu_run.sh on a GPU machine with torch but no ComfyUI and no network. Run it HERE (the dev
+# environment and PyPI), once: bash bench/gpu_prep.sh. It makes (ignored through .git/info/exclude; < 60 MiB):
+#   .gpu/comfyui-0.3.75.tar.gz, .gpu/comfyui-0.14.1.tar.gz   the two ComfyUIs ($COMFYUI_PATH or .comfyui/ComfyUI;
+#                                .comfyui/ComfyUI-0.14.1, else $COMFYUI_014_TARBALL), minus tests and model files
 #   .gpu/wheels/                 torchsde + trampoline (pure Python; both ComfyUIs import them, the GPU image lacks them)
-#   .gpu/wheels-0.14.1/          comfy-aimdo and comfy-kitchen for the device's Python ($DEVICE_PYTHON, default 3.12),
-#                                the versions .venv-0.14.1 has; comfy-kitchen without its ROCm kernel library
-#                                (150 MB unpacked, never loaded on NVIDIA: comfy_kitchen imports it only under HIP)
-# Then, on the GPU machine (device tool): carry [".gpu"], command "bash bench/gpu_run.sh".
+#   .gpu/wheels-0.14.1/          comfy-aimdo and comfy-kitchen as .venv-0.14.1 has them, for the device's Python
+#                                ($DEVICE_PYTHON, 3.12), kitchen without its ROCm library (150 MB, loaded only under HIP)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -1,24 +1,15 @@
 #!/usr/bin/env bash
-# The whole GPU measurement in ONE device call of at most LIMIT_S (570) seconds, set-up included; no network.
+# The whole GPU measurement in ONE device call of at most LIMIT_S (570) seconds, set-up included; no network
+# (docs/gpu_run.md: the plan, the caps, how to read the tables).
 #
 #   bash bench/gpu_prep.sh             # here, once: fills .gpu/ (two ComfyUI trees, four wheels; < 60 MiB)
-#   bash bench/gpu_run.sh              # on the device: carry [".gpu"], timeout_s 600 (docs/gpu_run.md)
+#   bash bench/gpu_run.sh              # on the device: carry [".gpu"], timeout_s 600
 #   bash bench/gpu_run.sh --dry-run    # on the CPU: the time plan, then every step at the tiny presets
 #
-# Every step is its own process under its own cap (min(cap, time left)); a step that fails or is cut is logged
-# and the next one runs. Rows are appended to $OUT/{preflight,blocks,steps}.csv as each is measured, so a cut
-# run keeps what it measured. The steps, in the order that decides most first (bench/gpu_steps.py says what
-# each measures):
-#   preflight    registered / pinned / pageable / bounce-ring host->device GB/s, register s per GiB, stale CUDA error after a refused
-#                registration, the engine's per-block hook overhead                         (plain torch + pack)
-#   s075_*       ComfyUI 0.3.75: full load (+ per-block compute and copy ms), ComfyUI lowvram and this pack
-#                (auto) at equal ballast budgets, a small resident sweep at the smallest budget
-#   s014_*       ComfyUI 0.14.1: full load and this pack (auto) at the same budgets: reference for dyn014_*
-#   dyn014_*     ComfyUI 0.14.1 dynamic VRAM (comfy-aimdo init() before init_device(), as ComfyUI does)
-#   lora_075     the device-side LoRA step against no LoRA, every block streamed (4 Wan 14B blocks)
-#   fp8_014      bf16 and fp8 mixed (QuantizedTensor, comfy-kitchen) bytes and step time (4 Wan 14B blocks)
-# Needs on the device: python3 with torch (CUDA) and ComfyUI's import-time packages (the device image has all but
-# torchsde, trampoline, comfy-aimdo and comfy-kitchen, which travel as wheels in .gpu). PYTHON overrides python3.
+# Every step (bench/gpu_steps.py) is its own process under its own cap (min(cap, time left)); a step that fails or
+# is cut is logged and the next one runs. Rows are appended to $OUT/{preflight,blocks,steps}.csv as each is
+# measured, so a cut run keeps what it measured. Needs on the device: python3 with torch (CUDA) and ComfyUI's
+# import-time packages (the image lacks torchsde, trampoline, comfy-aimdo, comfy-kitchen: wheels in .gpu).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"

@@ -1,64 +1,193 @@
-"""The steps of the one-call GPU run (bench/gpu_run.sh), one process each; every row goes to a CSV as it is measured.
+"""The steps of the one-call GPU run (bench/gpu_run.sh; docs/gpu_run.md has the plan), one process each; every row
+goes to a CSV as it is measured.
 
     python -P bench/gpu_steps.py preflight  --out DIR --work W
     python -P bench/gpu_steps.py sidebyside --out DIR --work W --preset flux [--lowvram] [--sweep]
-    python -P bench/gpu_steps.py lora       --out DIR --work W
-    python -P bench/gpu_steps.py fp8        --out DIR --work W        (ComfyUI 0.14.1 with comfy-kitchen)
-    python -P bench/gpu_steps.py dynamic    --out DIR --work W --preset flux   (bench/gpu_dynamic.py; 0.14.1)
+    python -P bench/gpu_steps.py lora|fp8   --out DIR --work W        (fp8: ComfyUI 0.14.1 with comfy-kitchen)
+    python -P bench/gpu_steps.py dynamic    --out DIR --work W --preset flux   (ComfyUI 0.14.1's dynamic VRAM)
     ... --dry-run: the same code on the CPU loopback at the tiny presets (no ballast, no registration timing)
 
-``sidebyside``: ComfyUI's full load (the reference, per-block compute times from CUDA events, per-block copy
-times of registered memory), then at each budget B (``--budgets``, fractions f: non-block weights + f x the
-blocks + the full load's activation peak + 1.5 GiB, held free by a ``Ballast``) ComfyUI's own offloading
-(``--lowvram``: 0.3.75 partial loading, its planner deciding from the real free memory) and this pack at auto,
-then (``--sweep``) a few fixed resident counts at the smallest budget. The full run's numbers go to
-``<work>/state/`` for the 0.14.1 dynamic-VRAM process, which compares with the same reference and budgets.
+``sidebyside``: the full load (the reference; per-block compute from CUDA events, per-block copies of registered
+memory), then at each budget B (fractions f: non-block weights + f x the blocks + the full load's activation peak
++ 1.5 GiB, held free by a ``Ballast``) ComfyUI's own offloading (``--lowvram``) and this pack at auto, then
+(``--sweep``) fixed resident counts at the smallest B. ``<work>/state/`` hands the reference and budgets to the
+0.14.1 ``dynamic`` process, which starts comfy-aimdo in ComfyUI's order (its state is global: a process of its own).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import csv
 import gc
-import importlib.util
 import json
 import os
-import statistics
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 AIMDO_BEFORE_TORCH = None
-if __name__ == "__main__" and sys.argv[1:2] == ["dynamic"]:
-    # ComfyUI's cuda_malloc.py loads aimdo's library before anything imports torch; so does the dynamic step.
-    import comfy_aimdo.control
-    AIMDO_BEFORE_TORCH = "torch" not in sys.modules and bool(comfy_aimdo.control.init())
-    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ""
+if __name__ == "__main__":  # run by path: the pack registered as `layerwise_offload`, so the relative imports work
+    import runpy
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["import_pack_modules"]()
+    __package__ = "layerwise_offload.bench"
+    if sys.argv[1:2] == ["dynamic"]:
+        # ComfyUI's cuda_malloc.py loads aimdo's library before anything imports torch; so does the dynamic step.
+        import comfy_aimdo.control
+        AIMDO_BEFORE_TORCH = "torch" not in sys.modules and bool(comfy_aimdo.control.init())
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ""
 
 import torch  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
+from .comfy_bench import BenchConfig, Harness  # noqa: E402
+from .measure import (CPU_LOOPBACK_ENV, CastCounter, StepClock, bitwise_equal, block_lora,  # noqa: E402
+                      comfyui_version, copy_seconds, elapsed, mark, our_footprint, page_aligned_host, with_lora)
+from ..devtools import comfy_env  # noqa: E402
+
 DRY_PRESETS = {"flux": "tiny", "wan21_14b": "tiny_wan"}  # what a dry run builds in a preset's place
 HEADROOM = 3 << 29  # 1.5 GiB: ComfyUI keeps minimum_inference_memory + reserved VRAM free on top of its estimate
-
-
-def comfy_env():
-    spec = importlib.util.spec_from_file_location("_lwo_gpu_comfy_env", HERE.parent / "devtools" / "comfy_env.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.register_pack()
-    return module
-
-
-def comfyui_version() -> str:
-    try:
-        import comfyui_version as v
-        return v.__version__
-    except ImportError:
-        return "none"
+TABLES: Dict[str, tuple] = {
+    # One measured quantity per row: the preflight is a handful of numbers, not a grid.
+    "preflight": ("comfyui", "name", "value", "unit", "note"),
+    # Per block of a model shape, from the full-load run: compute on the device and the copy of its bytes.
+    "blocks": ("comfyui", "preset", "block", "kind", "nbytes", "compute_ms", "copy_ms", "copy_over_compute",
+               "note"),
+    # One sampling run per row, every mode of every step: the deciding table. speedup_vs_comfy is always this
+    # pack's gain over ComfyUI's own offloading at the same budget: on a pack row ComfyUI's step time over the
+    # row's; on a 0.14.1 comfy_dynamic row (measured after the pack, in its own process) the row's over the pack's.
+    "steps": ("comfyui", "step", "preset", "mode", "weights", "budget", "budget_bytes", "ballast_bytes",
+              "num_blocks", "resident", "prefetch", "policy", "steps", "forwards_per_step", "step_ms",
+              "step_ms_spread", "streamed_bytes_per_step", "stall_ms_per_step", "stall_pct", "compute_ms",
+              "gbps", "bound_ms", "ratio_to_bound", "speedup_vs_comfy", "device_peak_bytes",
+              "weights_device_bytes", "bitwise_equal_full", "seconds", "error"),
+}
 
 
 def log(*parts) -> None:
     print("[gpu_steps]", *parts, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------- tables, instruments
+class Table:
+    """``<folder>/<name>.csv`` with ``TABLES[name]``'s header, written first (a step that dies early still leaves a
+    file a reader can parse); :meth:`add` appends and flushes one row, so a step cut by its cap keeps its rows."""
+
+    def __init__(self, folder: Path, name: str):
+        if name not in TABLES:
+            raise ValueError(f"[layerwise-offload] unknown table {name!r}; known: {', '.join(TABLES)}")
+        self.columns = TABLES[name]
+        self.path = Path(folder) / f"{name}.csv"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if not self.path.exists() or self.path.stat().st_size == 0:
+            with open(self.path, "w", newline="") as f:
+                csv.writer(f).writerow(self.columns)
+
+    def add(self, **fields) -> Dict[str, object]:
+        unknown = sorted(set(fields) - set(self.columns))
+        if unknown:
+            raise ValueError(f"[layerwise-offload] {self.path.name} has no columns {unknown}")
+        row = {c: _cell(fields.get(c, "")) for c in self.columns}
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+            f.flush()
+            os.fsync(f.fileno())
+        return row
+
+    def rows(self) -> Iterable[Dict[str, str]]:
+        with open(self.path, newline="") as f:
+            return list(csv.DictReader(f))
+
+
+def _cell(value):
+    if isinstance(value, float):  # byte counts stay exact; times keep what the clock resolves
+        return int(value) if value.is_integer() and abs(value) < 2**53 else f"{value:.7g}"
+    return value
+
+
+def bound_ms(compute_ms, streamed_bytes, gbps) -> object:
+    """The step's lower bound: compute, or the wire time of what must be streamed, whichever is longer."""
+    if compute_ms in ("", None):
+        return ""
+    wire = streamed_bytes / (gbps * 1e9) * 1e3 if gbps and streamed_bytes else 0.0
+    return max(float(compute_ms), wire)
+
+
+def ratio(a, b) -> object:
+    return a / b if a not in ("", None) and b not in ("", None) and b else ""
+
+
+def add_step(table: Table, **fields) -> Dict[str, object]:
+    """A ``steps`` row with its bound, ratio to the bound and stall share worked out from the measured fields."""
+    step_ms, stall = fields.get("step_ms", ""), fields.get("stall_ms_per_step", "")
+    bound = bound_ms(fields["compute_ms"], fields.get("streamed_bytes_per_step") or 0, fields["gbps"])
+    return table.add(bound_ms=bound, ratio_to_bound=ratio(step_ms, bound),
+                     stall_pct=ratio(stall, step_ms) and 100 * ratio(stall, step_ms), **fields)
+
+
+class Ballast:
+    """Holds device memory so that ``budget`` bytes stay free (None, or the CPU: nothing is taken). Not a flag:
+    0.14.1's ``--reserve-vram`` reaches neither ``ModelPatcherDynamic.get_free_memory`` nor comfy-aimdo, while memory
+    really taken is seen alike by ComfyUI's planner, aimdo's ``cuMemGetInfo`` poll and this pack's auto plan."""
+
+    def __init__(self, device: torch.device, budget: Optional[int]):
+        self.device = torch.device(device)
+        self.budget = None if budget is None else int(budget)
+        self.nbytes = 0
+        self._tensor: Optional[torch.Tensor] = None
+
+    def __enter__(self) -> "Ballast":
+        if self.device.type == "cuda" and self.budget is not None:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info(self.device)
+            self.nbytes = max(0, free - self.budget) // (2 << 20) * (2 << 20)
+            if self.nbytes:
+                self._tensor = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._tensor = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class DevicePeak:
+    """Peak device memory in use (the whole device, any allocator) over a ``with`` block, above its start, polled on
+    a thread: ``max_memory_allocated`` misses aimdo's VBAR pages and ``cudaMalloc`` done elsewhere."""
+
+    def __init__(self, device: torch.device, every_s: float = 0.002):
+        self.device = torch.device(device)
+        self.every_s = every_s
+        self.peak_bytes: object = ""
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._used0 = self._max = 0
+
+    def _used(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def _poll(self) -> None:
+        torch.cuda.set_device(self.device)
+        while not self._stop.is_set():
+            self._max = max(self._max, self._used())
+            time.sleep(self.every_s)
+
+    def __enter__(self) -> "DevicePeak":
+        if self.device.type == "cuda":
+            self._used0 = self._max = self._used()
+            self._thread = threading.Thread(target=self._poll, name="lwo-device-peak", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._max = max(self._max, self._used())
+            self.peak_bytes = self._max - self._used0
 
 
 class State:
@@ -76,61 +205,14 @@ class State:
         return json.loads(path.read_text()) if path.exists() else {}
 
 
-# ----------------------------------------------------------------------------------------------- copies
-def page_aligned_host(nbytes: int) -> torch.Tensor:
-    """A pageable host buffer that starts on a page and spans whole pages (registration locks whole pages)."""
-    page = 4096
-    size = -(-nbytes // page) * page
-    raw = torch.empty(size + page, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % page
-    return raw[start:start + size]
-
-
-def copy_seconds(nbytes: int, device: torch.device, kind: str = "registered", repeats: int = 5) -> float:
-    """Median seconds of one host -> device copy of ``nbytes`` from ``kind`` memory (registered | pinned |
-    pageable); on the CPU a plain host copy."""
-    if device.type != "cuda":
-        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
-        times = []
-        for _ in range(repeats):
-            t = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
-    pinner = CudaHostRegisterPinner()
-    if kind == "pinned":
-        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    else:
-        src = page_aligned_host(nbytes)
-        if kind == "registered" and not pinner.register(src):
-            raise RuntimeError(f"cudaHostRegister refused {nbytes} bytes")
-    src.fill_(1)
-    dst = torch.empty(src.numel(), dtype=torch.uint8, device=device)
-    try:
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(repeats):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            dst.copy_(src, non_blocking=kind != "pageable")
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-    finally:
-        torch.cuda.synchronize()
-        if kind == "registered":
-            pinner.unregister(src)
-    return statistics.median(times)
-
-
+# ----------------------------------------------------------------------------------------------- preflight
 def resident_copy(nbytes: int, device: torch.device) -> dict:
     """A resident's copy as arming does it: pageable host memory through the page-locked bounce ring, queued on a
     copy stream; GB/s to the copy's end, the seconds the host was held, and register + unregister s per GiB."""
-    from layerwise_offload.offload.device.backend import StreamBackend
-    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
-    from layerwise_offload.offload.device.resident_copy import bounce_for
+    # Looks inside: the preflight times the manager's own copy machinery, which has no public handle.
+    from ..offload.device.backend import StreamBackend
+    from ..offload.device.resident_copy import bounce_for
+    from ..offload.host.pinning import CudaHostRegisterPinner
     src = page_aligned_host(nbytes)
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -158,29 +240,35 @@ def resident_copy(nbytes: int, device: torch.device) -> dict:
     return {"gbps": nbytes / total_s / 1e9, "host_s": host_s, "register_s": register_s}
 
 
-# ----------------------------------------------------------------------------------------------- preflight
 def preflight(args, tables, state) -> int:
-    table = tables["preflight"]
-    from layerwise_offload.bench import bench_engine
-    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
+    from . import bench_engine
     device = torch.device("cuda" if torch.cuda.is_available() and not args.dry_run else "cpu")
-    add = lambda name, value, unit="", note="": table.add(comfyui="none", name=name, value=value,  # noqa: E731
-                                                          unit=unit, note=note)
+    cuda = device.type == "cuda"
+
+    def add(name, value, unit="", note=""):
+        tables["preflight"].add(comfyui="none", name=name, value=value, unit=unit, note=note)
+
+    def failed(error):
+        return f"{type(error).__name__}: {error}"[:200]
+
     add("torch", torch.__version__, note=f"cuda {torch.version.cuda}")
-    if device.type == "cuda":
+    if cuda:
         total = torch.cuda.get_device_properties(device).total_memory
         add("gpu", torch.cuda.get_device_name(device), note=f"{total} B")
-    nbytes = (1 << 30) if device.type == "cuda" else (16 << 20)
+    nbytes = (1 << 30) if cuda else (16 << 20)
     gbps = {}
     for kind in ("registered", "pinned", "pageable"):
         try:
             gbps[kind] = nbytes / copy_seconds(nbytes, device, kind) / 1e9
-            add(f"h2d_gbps_{kind}", gbps[kind], "GB/s", f"{nbytes} B, median of 5" + ("" if device.type == "cuda"
-                                                                                     else ", CPU: host copy"))
+            add(f"h2d_gbps_{kind}", gbps[kind], "GB/s",
+                f"{nbytes} B, median of 5" + ("" if cuda else ", CPU: host copy"))
         except Exception as error:  # noqa: BLE001 - a refused kind is a result
-            add(f"h2d_gbps_{kind}", "", "GB/s", f"{type(error).__name__}: {error}"[:200])
+            add(f"h2d_gbps_{kind}", "", "GB/s", failed(error))
     state.save("preflight", {"gbps": gbps.get("registered") or gbps.get("pinned") or 0.0})
-    if device.type == "cuda":
+    if not cuda:
+        add("h2d_gbps_resident_bounce", "", "GB/s", "dry run: needs CUDA")
+        add("stale_cuda_error_after_refusal", "", "cudaError", "dry run: needs CUDA")
+    else:
         try:
             resident = resident_copy(nbytes, device)
             add("h2d_gbps_resident_bounce", resident["gbps"], "GB/s", f"{nbytes} B pageable through the 2 x 32 MiB "
@@ -188,48 +276,173 @@ def preflight(args, tables, state) -> int:
             add("register_s_per_gib", resident["register_s"], "s", "cudaHostRegister + Unregister of 1 GiB: what a "
                 "change of the streamed set pays per GiB of blocks whose membership changed")
         except Exception as error:  # noqa: BLE001 - a refused ring is a result
-            add("h2d_gbps_resident_bounce", "", "GB/s", f"{type(error).__name__}: {error}"[:200])
-    else:
-        add("h2d_gbps_resident_bounce", "", "GB/s", "dry run: needs CUDA")
-    if device.type == "cuda":
+            add("h2d_gbps_resident_bounce", "", "GB/s", failed(error))
         # A refused registration (the same pages twice) must leave no error behind for the next kernel launch.
+        from ..offload.host.pinning import CudaHostRegisterPinner, _runtime_last_error  # looks inside, as above
         pinner, buf = CudaHostRegisterPinner(), page_aligned_host(1 << 20)
         first, second = pinner.register(buf), pinner.register(buf)
-        from layerwise_offload.offload.host.pinning import _runtime_last_error
         reader = _runtime_last_error()  # torch's cudart bindings have no cudaGetLastError
         left = int(reader()) if reader is not None else "n/a: libcudart not reachable"
         try:
             torch.ones(4, device=device).add_(1).sum().item()
             launch = "ok"
         except Exception as error:  # noqa: BLE001
-            launch = f"{type(error).__name__}: {error}"[:150]
+            launch = failed(error)[:150]
         if first:
             pinner.unregister(buf)
         add("stale_cuda_error_after_refusal", left, "cudaError",
             f"register {first}, again {second}; next kernel {launch}")
-    else:
-        add("stale_cuda_error_after_refusal", "", "cudaError", "dry run: needs CUDA")
-    hooks = bench_engine.bench_hooks(device, num_blocks=48, repeats=7 if device.type == "cuda" else 3,
-                                     inner=20 if device.type == "cuda" else 2)
+    hooks = bench_engine.bench_hooks(device, num_blocks=48, repeats=7 if cuda else 3, inner=20 if cuda else 2)
     for key in ("manager_overhead_us_per_block", "noop_hook_overhead_us_per_block", "manager_logic_us_per_block",
                 "bare_us_per_block"):
         add(f"hooks_{key}", hooks[key], "us", "48 tiny blocks, all resident (bench/bench_engine.py)")
     return 0
 
 
-# ----------------------------------------------------------------------------------------------- side by side
-def make_harness(args, preset: str, inference_mode: bool = True, blocks=None):
-    from layerwise_offload.bench.bench_config import BenchConfig
-    from layerwise_offload.bench.gpu_harness import GpuHarness
-    config = BenchConfig(preset=preset, device="cpu" if args.dry_run else "cuda", steps=args.steps,
+# ----------------------------------------------------------------------------------------------- the GPU harness
+class BlockClock:
+    """Per-block compute time of the forwards it sees: CUDA events around each block (the clock on the CPU)."""
+
+    def __init__(self, blocks: Sequence[torch.nn.Module], cuda: bool):
+        self.marks: Dict[int, List[tuple]] = {i: [] for i in range(len(blocks))}
+        self._open: Dict[int, object] = {}
+        self._handles = []
+        for i, block in enumerate(blocks):
+            self._handles.append(block.register_forward_pre_hook(lambda m, a, i=i: self._open.update({i: mark(cuda)})))
+            self._handles.append(block.register_forward_hook(
+                lambda m, a, o, i=i: self.marks[i].append((self._open.pop(i), mark(cuda)))))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    def median_ms(self, i: int) -> object:
+        pairs = self.marks[i][1:] or self.marks[i]  # the first call pays for first-touch and autotuning
+        return sorted(elapsed(a, b) * 1e3 for a, b in pairs)[len(pairs) // 2] if pairs else ""
+
+
+class GpuHarness(Harness):
+    """comfy_bench's harness measured at physically equal VRAM (a ``Ballast`` per run), with device-level peaks
+    and one ``steps`` row appended per run."""
+
+    def __init__(self, config, tables, step: str, gbps: float = 0.0, load: Optional[Callable[[], object]] = None):
+        super().__init__(config, load)
+        self.tables = tables
+        self.step = step
+        self._gbps = gbps
+        self.references: Dict[str, torch.Tensor] = {}
+        self.computes: Dict[str, float] = {}
+        self.comfy_ms: Dict[str, float] = {}
+        self.auto_ms: Dict[str, float] = {}  # this pack at auto per budget: the 0.14.1 dynamic rows compare with it
+        self.act_reserve = 0
+        self.compute_ms: object = ""
+
+    def setup(self):
+        super().setup()
+        self.comfyui = comfyui_version()
+        self.gbps = self._gbps or self.h2d_gbps  # registered-memory GB/s from the preflight, else pinned here
+
+    def _measure(self, mode: str, run: Callable[[], dict], label="", budget: Optional[int] = None,
+                 weights: Optional[str] = None, **fields) -> dict:
+        self._fresh()
+        started = time.perf_counter()
+        with Ballast(self.device, budget) as ballast, DevicePeak(self.device) as peak:
+            hrow = self.guarded(run, mode, **fields)
+        step_ms = hrow["step_ms"]
+        return add_step(
+            self.tables["steps"], comfyui=self.comfyui, step=self.step, preset=self.config.preset, mode=mode,
+            weights=weights or str(self.dtype).replace("torch.", ""), budget=label,
+            budget_bytes=budget if budget is not None else "", ballast_bytes=ballast.nbytes,
+            num_blocks=len(self.block_nbytes), resident=hrow["resident"], prefetch=hrow["prefetch"],
+            policy=hrow["policy"], steps=self.config.steps, forwards_per_step=hrow["forwards_per_step"],
+            step_ms=step_ms, step_ms_spread=hrow["step_ms_spread"], streamed_bytes_per_step=hrow["h2d_bytes_per_step"],
+            stall_ms_per_step=hrow["stall_ms_per_step"],
+            compute_ms=self.compute_ms if mode not in ("full", "full_lora") else step_ms, gbps=self.gbps,
+            speedup_vs_comfy=ratio(self.comfy_ms.get(label, ""), step_ms) if mode.startswith("layerwise") else "",
+            device_peak_bytes=peak.peak_bytes, weights_device_bytes=hrow["weights_device_bytes"],
+            bitwise_equal_full=hrow["bitwise_equal"], seconds=time.perf_counter() - started, error=hrow["error"])
+
+    def full(self, mode: str = "full", weights: Optional[str] = None, per_block: bool = False, state=None) -> dict:
+        clock = BlockClock(self.discovered.blocks, self.cuda) if per_block else None
+        try:
+            row = self._measure(mode, self.run_full, label="all", weights=weights)
+        finally:
+            if clock is not None:
+                clock.remove()
+        if row["error"]:
+            raise RuntimeError(f"[layerwise-offload] the full load failed, nothing to compare with: {row['error']}")
+        self.compute_ms = float(row["step_ms"])
+        self.references[mode], self.computes[mode] = self.reference, self.compute_ms
+        if self.cuda and row["device_peak_bytes"] != "":
+            self.act_reserve = max(0, int(row["device_peak_bytes"]) - self.model_bytes)
+        if clock is not None:
+            self._block_rows(clock)
+        if state is not None:
+            name = f"{self.comfyui}_{self.config.preset}"
+            torch.save(self.reference.cpu(), state.folder / f"{name}.pt")
+            state.save(name, dict(compute_ms=self.compute_ms, act_reserve=self.act_reserve, gbps=self.gbps,
+                                  non_block=self.non_block, block_total=self.block_total,
+                                  model_bytes=self.model_bytes, num_blocks=len(self.block_nbytes),
+                                  reference=str(state.folder / f"{name}.pt")))
+        return row
+
+    def _block_rows(self, clock: BlockClock) -> None:
+        copy_ms = {}
+        for nbytes in sorted(set(self.block_nbytes)):
+            try:
+                copy_ms[nbytes] = copy_seconds(nbytes, self.device, "registered", repeats=3) * 1e3
+            except Exception as error:  # noqa: BLE001 - a refused registration is a result
+                copy_ms[nbytes] = ""
+                self.log(f"copy of {nbytes} registered bytes failed: {error}")
+        for i, block in enumerate(self.discovered.blocks):
+            compute, copy = clock.median_ms(i), copy_ms[self.block_nbytes[i]]
+            self.tables["blocks"].add(comfyui=self.comfyui, preset=self.config.preset, block=i,
+                                      kind=type(block).__name__, nbytes=self.block_nbytes[i], compute_ms=compute,
+                                      copy_ms=copy, copy_over_compute=ratio(copy, compute),
+                                      note="" if self.cuda else "dry run: CPU loopback")
+
+    def budgets_for(self, fractions: str) -> List[Tuple[str, int]]:
+        extra = self.act_reserve + (HEADROOM if self.cuda else 0)
+        return [(f"{float(f):g}", int(self.non_block + float(f) * self.block_total + extra))
+                for f in fractions.split(",") if f.strip()]
+
+    def sweep_configs(self, budget: int) -> List[Tuple[int, int]]:
+        n = len(self.block_nbytes)
+        extra = self.act_reserve + (HEADROOM if self.cuda else 0)
+        out = []
+        for resident, prefetch in ((0, 1), (n // 4, 1), (n // 2, 1), (n // 2, 2)):
+            fits = our_footprint(self.block_nbytes, self.non_block, resident, prefetch, "leading") + extra <= budget
+            if (fits or not self.cuda) and (resident, prefetch) not in out:
+                out.append((resident, prefetch))
+        return out
+
+    def comfy_lowvram(self, label: str, budget: int) -> dict:
+        row = self._measure("comfy_lowvram", self.run_comfy, label, budget)  # its planner sees the ballast
+        if not row["error"]:
+            self.comfy_ms[label] = float(row["step_ms"])
+        return row
+
+    def layerwise(self, resident: int, prefetch: int, policy: str, label: str, budget: int,
+                  mode: str = "layerwise", ballast: bool = True, weights: Optional[str] = None) -> dict:
+        row = self._measure(mode, lambda: self.run_layerwise(resident, prefetch, policy), label,
+                            budget if ballast else None, weights=weights, resident=resident, prefetch=prefetch,
+                            policy=policy)
+        if mode == "layerwise_auto" and not row["error"]:
+            self.auto_ms[label] = float(row["step_ms"])
+        return row
+
+
+# ----------------------------------------------------------------------------------------------- the ComfyUI steps
+def make_harness(args, state, tables, inference_mode: bool = True, blocks=None, load=None) -> GpuHarness:
+    config = BenchConfig(preset=args.preset, device="cpu" if args.dry_run else "cuda", steps=args.steps,
                          blocks=blocks, budgets=(), plot=False, inference_mode=inference_mode)
-    return config, GpuHarness
+    h = GpuHarness(config, tables, step=args.step_name, gbps=state.load("preflight").get("gbps", 0.0), load=load)
+    h.setup()
+    return h
 
 
 def sidebyside(args, tables, state) -> int:
-    config, GpuHarness = make_harness(args, args.preset)
-    h = GpuHarness(config, tables, step=args.step_name, gbps=state.load("preflight").get("gbps", 0.0))
-    h.setup()
+    h = make_harness(args, state, tables)
     try:
         h.full(per_block=True, state=state)
         budgets = h.budgets_for(args.budgets)
@@ -248,13 +461,11 @@ def sidebyside(args, tables, state) -> int:
 
 
 def lora(args, tables, state) -> int:
-    config, GpuHarness = make_harness(args, args.preset, blocks=None if args.dry_run else (4,))
-    h = GpuHarness(config, tables, step=args.step_name, gbps=state.load("preflight").get("gbps", 0.0))
-    h.setup()
+    h = make_harness(args, state, tables, blocks=None if args.dry_run else (4,))
     try:
         base = h.patcher
         h.full()
-        h.patcher = h.with_lora(base, rank=16)
+        h.patcher = with_lora(base, block_lora(base, rank=16))
         h.full(mode="full_lora")
         if torch.equal(h.references["full"], h.references["full_lora"]):
             raise RuntimeError("[layerwise-offload] the LoRA changed nothing: the LoRA rows would compare nothing")
@@ -270,12 +481,9 @@ def fp8(args, tables, state) -> int:
     """bf16 and ComfyUI's fp8 mixed precision (QuantizedTensor; comfy-kitchen's kernels on 0.14.1): bytes streamed
     and step time, each against its own full load. Outside inference_mode: QuantizedTensor weights fail under it."""
     import tempfile
-    from layerwise_offload.devtools.quantized_models import save_fp8_mixed
-    config, GpuHarness = make_harness(args, args.preset, inference_mode=False,
-                                      blocks=None if args.dry_run else (4,))
-    gbps = state.load("preflight").get("gbps", 0.0)
-    h = GpuHarness(config, tables, step=args.step_name, gbps=gbps)
-    h.setup()
+    from ..devtools.quantized_models import save_fp8_mixed
+    blocks = None if args.dry_run else (4,)
+    h = make_harness(args, state, tables, inference_mode=False, blocks=blocks)
     with tempfile.TemporaryDirectory(prefix="lwo_fp8_", dir=args.work) as tmp:
         try:
             sd = {k: v.detach().to("cpu", copy=True) for k, v in h.diffusion_model.state_dict().items()}
@@ -287,8 +495,8 @@ def fp8(args, tables, state) -> int:
         del sd, h
         gc.collect()
         import comfy.sd
-        q = GpuHarness(config, tables, step=args.step_name, gbps=gbps, load=lambda: comfy.sd.load_diffusion_model(path))
-        q.setup()
+        q = make_harness(args, state, tables, inference_mode=False, blocks=blocks,
+                         load=lambda: comfy.sd.load_diffusion_model(path))
         try:
             q.full(weights="fp8_mixed")
             q.layerwise(0, 1, "leading", "", 0, mode="layerwise", ballast=False, weights="fp8_mixed")
@@ -297,12 +505,143 @@ def fp8(args, tables, state) -> int:
     return 0
 
 
-STEPS = {"preflight": preflight, "sidebyside": sidebyside, "lora": lora, "fp8": fp8}
+# ----------------------------------------------------------------------------------------------- dynamic VRAM
+def aimdo_init(control) -> None:
+    """cuda_malloc.py's half: load aimdo's library, before anything initialises CUDA."""
+    if not control.init():
+        raise RuntimeError("comfy_aimdo.control.init() failed: aimdo's library does not load here")
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ""  # cuda_malloc.py: aimdo and cudaMallocAsync exclude each other
+
+
+def aimdo_init_device(control, index: int) -> None:
+    """main.py's half: aimdo takes the device (False, and every dynamic row fails, without init() first)."""
+    if not control.init_device(index):
+        raise RuntimeError(f"comfy_aimdo.control.init_device({index}) failed after init()")
+
+
+def start_dynamic_vram(control, index: int) -> str:
+    """aimdo started as ComfyUI starts it. ``control`` is ``comfy_aimdo.control`` (a parameter: the order is
+    checked without a GPU, tests/comfy/test_gpu_plan.py)."""
+    aimdo_init(control)
+    aimdo_init_device(control, index)
+    return f"init() and init_device({index}) ok"
+
+
+def _import_dynamic(dry_run: bool):
+    """ComfyUI started as with ``--fast dynamic_vram``: ``cuda_malloc.py`` loads aimdo (``init()``) before CUDA,
+    ``main.py`` then gives it the device, makes ``ModelPatcherDynamic`` the ``CoreModelPatcher`` and installs its
+    allocator."""
+    comfy_dir = comfy_env.comfyui_path()
+    if str(comfy_dir) not in sys.path:
+        sys.path.insert(0, str(comfy_dir))
+    import comfy.options
+    comfy.options.enable_args_parsing(False)
+    import comfy.cli_args
+    comfy.cli_args.args.fast = {comfy.cli_args.PerformanceFeature.DynamicVRAM}
+    import comfy_aimdo.control
+    aimdo_init(comfy_aimdo.control)  # before comfy.model_management, whose import initialises CUDA
+    started = "init() ok; init_device() needs a GPU (dry run)"
+    env = comfy_env.import_comfyui(cpu=dry_run, import_nodes=False)
+    gc.freeze()  # as main() does for the other steps: the collections between runs then skip what the import made
+    if not dry_run:
+        import comfy.memory_management
+        import comfy_aimdo.torch
+        index = env.model_management.get_torch_device().index or 0
+        aimdo_init_device(comfy_aimdo.control, index)
+        started = f"init() and init_device({index}) ok"
+        env.model_patcher.CoreModelPatcher = env.model_patcher.ModelPatcherDynamic
+        comfy.memory_management.aimdo_allocator = comfy_aimdo.torch.get_torch_allocator()
+    return env, started
+
+
+@contextlib.contextmanager
+def _node_scope():
+    """execution.py's per-node scope: aimdo's MemPool around the work, cast buffers and watermarks reset after."""
+    import comfy.memory_management
+    allocator = comfy.memory_management.aimdo_allocator
+    if allocator is None:
+        yield
+        return
+    import comfy.model_management
+    import comfy_aimdo.model_vbar
+    with torch.cuda.use_mem_pool(torch.cuda.MemPool(allocator.allocator())):
+        try:
+            yield
+        finally:
+            comfy.model_management.reset_cast_buffers()
+            comfy_aimdo.model_vbar.vbars_reset_watermark_limits()
+
+
+def dynamic(args, tables, state) -> int:
+    """ComfyUI 0.14.1's dynamic VRAM at the budgets and against the reference the 0.14.1 side-by-side step left."""
+    log(f"comfy-aimdo init() before torch was imported: {AIMDO_BEFORE_TORCH}")
+    env, started = _import_dynamic(args.dry_run)
+    log(f"comfy-aimdo: {started}")
+    mm = env.model_management
+    from . import dit_presets
+    version = comfyui_version()
+    saved = state.load(f"{version}_{args.preset}")
+    if not saved:
+        raise RuntimeError(f"[layerwise-offload] no {version}_{args.preset} in {state.folder}: the 0.14.1 "
+                           "side-by-side step gives the reference and budgets; run it first")
+    reference = torch.load(saved["reference"])
+    auto_ms = state.load(f"{version}_{args.preset}_auto")  # this pack at auto, same budgets, same reference
+    cuda = not args.dry_run
+    device = mm.get_torch_device()
+    dtype = torch.float32 if args.dry_run else None  # the side-by-side harness builds fp32 on the CPU too
+    patcher = dit_presets.build(args.preset, dtype=dtype, patcher_class=env.model_patcher.CoreModelPatcher)
+    kind = type(patcher).__name__
+    extra = saved["act_reserve"] + (HEADROOM if cuda else 0)
+    budgets = [("all", None)] + [(f"{float(f):g}", int(saved["non_block"] + float(f) * saved["block_total"] + extra))
+                                 for f in args.budgets.split(",") if f.strip()]
+    forwards = [0]
+    hook = patcher.get_model_object("diffusion_model").register_forward_pre_hook(
+        lambda m, a: forwards.__setitem__(0, forwards[0] + 1))
+    try:
+        for label, budget in budgets:
+            mm.unload_all_models()
+            gc.collect()
+            mm.soft_empty_cache()
+            begun, error, seconds = time.perf_counter(), "", []
+            counter, snap = CastCounter(), {}
+            clock = StepClock(cuda, on_first=lambda: snap.update(f=forwards[0], b=counter.bytes))
+            out = None
+            with Ballast(device, budget) as ballast, DevicePeak(device) as peak:
+                try:
+                    with _node_scope(), counter.installed(), torch.inference_mode():
+                        out = dit_presets.sample(patcher, args.preset, steps=args.steps, callback=clock)
+                    seconds = clock.step_seconds()
+                except Exception as exc:  # noqa: BLE001 - a failing budget is a result
+                    import traceback
+                    traceback.print_exc()
+                    error = f"{type(exc).__name__}: {exc}"[:300]
+            step_ms = 1e3 * sorted(seconds)[len(seconds) // 2] if seconds else ""
+            intervals = max(1, args.steps - 1)
+            add_step(
+                tables["steps"], comfyui=version, step=args.step_name, preset=args.preset, mode="comfy_dynamic",
+                weights=str(dtype or dit_presets.PRESETS[args.preset].dtype).replace("torch.", ""), budget=label,
+                budget_bytes="" if budget is None else budget, ballast_bytes=ballast.nbytes,
+                num_blocks=saved["num_blocks"], steps=args.steps,
+                forwards_per_step=(forwards[0] - snap["f"]) / intervals if seconds else "",
+                step_ms=step_ms, step_ms_spread=(max(seconds) - min(seconds)) * 1e3 if seconds else "",
+                streamed_bytes_per_step=(counter.bytes - snap["b"]) / intervals if seconds else "",
+                compute_ms=saved["compute_ms"], gbps=saved["gbps"], speedup_vs_comfy=ratio(step_ms, auto_ms.get(label)),
+                device_peak_bytes=peak.peak_bytes, weights_device_bytes=patcher.loaded_size(),
+                bitwise_equal_full=bitwise_equal(out, reference) if out is not None else False,
+                seconds=time.perf_counter() - begun, error=error or ("" if cuda else f"dry run: {kind} on the CPU"))
+            log(f"{args.preset} comfy_dynamic budget {label}: {step_ms} ms/step {error}")
+    finally:
+        hook.remove()
+        mm.unload_all_models()
+    return 0
+
+
+STEPS = {"preflight": preflight, "sidebyside": sidebyside, "lora": lora, "fp8": fp8, "dynamic": dynamic}
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("step", choices=sorted(STEPS) + ["dynamic"])
+    parser.add_argument("step", choices=sorted(STEPS))
     parser.add_argument("--out", required=True, help="folder of the CSVs (rows appended as measured)")
     parser.add_argument("--work", required=True, help="scratch folder; <work>/state links the steps")
     parser.add_argument("--preset", default="flux")
@@ -319,24 +658,17 @@ def main(argv=None) -> int:
         args.steps = 3
         args.budgets = args.budgets.split(",")[-1]  # one budget walks the same code as two, in half the time
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    env = comfy_env()
-    from layerwise_offload.bench.gpu_rows import TABLES, Table
     tables = {name: Table(Path(args.out), name) for name in TABLES}  # every header exists from the first step on
     state = State(Path(args.work))
     started = time.perf_counter()
-    if args.step == "dynamic":
-        from layerwise_offload.bench import gpu_dynamic
-        log(f"comfy-aimdo init() before torch was imported: {AIMDO_BEFORE_TORCH}")
-        status = gpu_dynamic.run(args, tables, state, env)
-    else:
-        if args.step != "preflight":
-            env.import_comfyui(cpu=args.dry_run, import_nodes=False)
-            # ComfyUI's import leaves millions of objects that live as long as the step; frozen, the full
-            # collection between modes (bench_modes._fresh) skips them: 0.45 s -> a few ms each, 15 times a step.
-            gc.freeze()
-        if args.dry_run:
-            os.environ["LAYERWISE_OFFLOAD_CPU_LOOPBACK"] = "1"  # the node's real path on the CPU
-        status = STEPS[args.step](args, tables, state)
+    if args.step not in ("preflight", "dynamic"):
+        comfy_env.import_comfyui(cpu=args.dry_run, import_nodes=False)
+        # ComfyUI's import leaves millions of objects that live as long as the step; frozen, the full collection
+        # between modes (Harness._fresh) skips them: 0.45 s -> a few ms each, 15 times a step.
+        gc.freeze()
+    if args.dry_run and args.step != "dynamic":
+        os.environ[CPU_LOOPBACK_ENV] = "1"  # the node's real path on the CPU
+    status = STEPS[args.step](args, tables, state)
     log(f"{'dry run: ' if args.dry_run else ''}step {args.step_name} ({args.step}, {args.preset}, ComfyUI "
         f"{comfyui_version()}) done in {time.perf_counter() - started:.1f} s, status {status}")
     return status

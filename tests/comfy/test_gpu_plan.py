@@ -13,8 +13,8 @@ import torch
 
 import comfy.model_management as mm
 
-from layerwise_offload.bench import gpu_dynamic
-from layerwise_offload.bench.gpu_rows import TABLES, Ballast, DevicePeak, Table, bound_ms, ratio
+from layerwise_offload.bench import gpu_steps
+from layerwise_offload.bench.gpu_steps import TABLES, Ballast, DevicePeak, Table, bound_ms, ratio
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_run.sh"
@@ -127,10 +127,10 @@ class FakeAimdoControl:
 
 def test_aimdo_is_started_in_comfyuis_order():
     control = FakeAimdoControl()
-    assert gpu_dynamic.start_dynamic_vram(control, 0) == "init() and init_device(0) ok"
+    assert gpu_steps.start_dynamic_vram(control, 0) == "init() and init_device(0) ok"
     assert control.calls == ["init", "init_device(0)"]
     with pytest.raises(RuntimeError, match=r"init_device\(0\) failed after init\(\)"):
-        gpu_dynamic.aimdo_init_device(FakeAimdoControl(), 0)  # what the old bench did: every dynamic row failed
+        gpu_steps.aimdo_init_device(FakeAimdoControl(), 0)  # what the old bench did: every dynamic row failed
 
 
 def test_real_aimdo_refuses_a_device_before_init():
