@@ -1,117 +1,73 @@
-"""Micro-benchmark of the offload engine: hook overhead and host-store copy throughput.
+"""Micro-benchmarks of the offload engine on toy models, without ComfyUI.
 
-    python bench/bench_engine.py [--device cpu|cuda] [--json OUT] [--repeats N]
+    python -P bench/bench_engine.py [engine] [--device cpu|cuda] [--json OUT] [--repeats N]   # (a) and (b)
+    python -P bench/bench_engine.py host-ram [--device cpu|cuda] [--dim 1024] [--blocks 8] [--resident 3]
+    python -P bench/bench_engine.py disk [--dim 2048] [--blocks 16] [--steps 4] [--folder DIR] [--source checkpoint]
 
-(a) Hook overhead. A model of many tiny blocks (so the per-block hook cost dominates) runs bare, with
-    no-op forward hooks (PyTorch's own hook dispatch), and with the manager attached and every block
-    resident (nothing is copied, so what remains is the manager's per-block bookkeeping). Reported as
-    the ratio of forward times and as microseconds per block.
-(b) Materialization throughput. A model whose blocks are large but whose compute is negligible runs
-    with every block streamed (resident_layers=0). The manager's copy throughput (bytes_copied over
-    copy_seconds from ``manager.stats()``) and its end-to-end throughput (bytes moved per forward over
-    the forward's time) are compared with ONE plain ``dst.copy_(src)`` of the same number of bytes.
-
-All variants are timed interleaved in one run and summarised by medians, so drift (clock boosts,
-other processes) hits them alike. On CUDA the host side is pinned and timing uses CUDA events; on
-the CPU the manager loops back onto the host (copies are host-to-host) and timing uses the clock.
-Absolute times mean little on the CPU loopback; the ratios are the result. On the CPU loopback the
-manager's copies can beat one plain copy (ratio > 1): its destination is a ring of prefetch+1 small
-slots that stays in the CPU cache, while the plain copy writes a cold buffer as large as the model.
-The copy ratio only speaks for the hardware on CUDA, where the destination is device memory.
-
-The pack is imported as the package ``layerwise_offload`` without putting the repository root on
-sys.path (its nodes/ folder would shadow ComfyUI's ``nodes``).
+(a) Hook overhead: tiny blocks run bare, with no-op forward hooks (PyTorch's own hook dispatch) and with the manager,
+    every block resident (what remains is its per-block bookkeeping). (b) Copy throughput: large blocks, negligible
+    compute, every block streamed: the manager's copy rate and end-to-end rate against ONE plain ``copy_`` of the
+    same bytes (on the CPU loopback the manager can beat it: its small slots stay in the CPU cache, the plain copy
+    writes a cold buffer as large as the model; the copy ratio speaks for the hardware only on CUDA). Variants are
+    timed interleaved and summarised by medians, so drift hits them alike: the ratios are the result.
+host-ram: pinned / streamed host-store bytes of a toy DiT (target <= 1.01). On CUDA the real pinner runs, with
+    ``torch.cuda.host_memory_stats()`` beside it (zero: the store bypasses PyTorch's caching host allocator); without
+    a GPU a recording pinner stands in. Also what ``pin_memory=True`` would page-lock (each block rounded up to a
+    power of two), here and for Flux.1-dev bf16, and the bytes the residents no longer page-lock.
+disk: the disk tier (``host_store="disk"``) over ``--steps`` forwards: bytes read per step against the disk blocks'
+    stored bytes (target: equal); its read rate against a plain sequential O_DIRECT read of the same file with the
+    same request size, right after (target >= 0.8); the stall the reads caused; anonymous RSS growth against the
+    staging ring + on the CPU loopback the "device" slots (target <= that + 5 %). ``--source checkpoint``: the blocks
+    saved once as .safetensors (then dropped from the page cache), mapped as Load Diffusion Model (Layerwise) maps
+    them, and read from there. Written to bench/results/disk_tier_<device>[_checkpoint].json.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
+import mmap
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def import_pack():
-    """The pack's modules, imported the way tests do it (devtools/comfy_env.py, loaded by path)."""
-    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", REPO_ROOT / "devtools" / "comfy_env.py")
-    comfy_env = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(comfy_env)
-    return comfy_env.import_pack_modules("offload", "devtools.toy_transformer", root=REPO_ROOT)
-
-
-offload, toy = import_pack()
+if __name__ == "__main__":  # run by path: the pack registered as `layerwise_offload`, so the relative imports work
+    import runpy
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["import_pack_modules"]()
+    __package__ = "layerwise_offload.bench"
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from .measure import RESULTS, seconds  # noqa: E402
+from .. import offload  # noqa: E402
+from ..devtools import toy_transformer as toy  # noqa: E402
 
-# ----------------------------------------------------------------- timing
-class Timer:
-    """Seconds of a callable: CUDA events on a GPU (after a sync), the clock on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn, inner: int = 1) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(inner):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1000.0 / inner
-        begin = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        return (time.perf_counter() - begin) / inner
+MiB = 2**20
 
 
-def interleaved(variants: dict, timer: Timer, repeats: int, inner: int = 1) -> dict:
+def interleaved(variants: dict, cuda: bool, repeats: int, inner: int = 1) -> dict:
     """Time each variant ``repeats`` times, rotating the order every round; lists of seconds."""
     names = list(variants)
     samples = {name: [] for name in names}
     for round_index in range(repeats):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            samples[name].append(timer(variants[name], inner))
+            samples[name].append(seconds(variants[name], cuda, inner))
     return samples
 
 
-def iqr(values) -> float:
-    q = statistics.quantiles(values, n=4)
-    return q[2] - q[0]
-
-
 # ----------------------------------------------------------------- (a) hook overhead
-def add_noop_hooks(model, blocks):
-    def pre(module, args):
-        return None
-
-    def post(module, args, output):
-        return None
-    handles = []
-    for block in blocks:
-        handles.append(block.register_forward_pre_hook(pre))
-        handles.append(block.register_forward_hook(post, always_call=True))
-    handles.append(model.register_forward_pre_hook(pre))
-    handles.append(model.register_forward_hook(post, always_call=True))
-    return handles
-
-
 def bench_hooks(device: torch.device, num_blocks: int, repeats: int, inner: int) -> dict:
     def build():
         return toy.ToyTransformer(dim=8, hidden=8, double=0, single=num_blocks, seed=0).to(device)
 
     bare, noop, managed = build(), build(), build()
-    add_noop_hooks(noop, noop.blocks_in_call_order())
+    for module in noop.blocks_in_call_order() + [noop]:
+        module.register_forward_pre_hook(lambda m, a: None)
+        module.register_forward_hook(lambda m, a, o: None, always_call=True)
     manager = offload.apply_layerwise_offload(managed.blocks_in_call_order(), device, root=managed,
                                               resident_layers=num_blocks, prefetch_size=1)
     x = torch.randn(1, 1, 8, generator=torch.Generator().manual_seed(0)).to(device)
@@ -122,17 +78,16 @@ def bench_hooks(device: torch.device, num_blocks: int, repeats: int, inner: int)
                 out = model(x)
             if not torch.equal(out, reference):
                 raise SystemExit("[layerwise-offload] bench: hooked model output differs from the bare model")
-        samples = interleaved({"bare": lambda: bare(x), "noop_hooks": lambda: noop(x),
-                               "manager": lambda: managed(x)}, Timer(device), repeats, inner)
+        samples = interleaved({"bare": lambda: bare(x), "noop_hooks": lambda: noop(x), "manager": lambda: managed(x)},
+                              device.type == "cuda", repeats, inner)
     stats = manager.stats()
     if stats.copies_issued != stats.resident_blocks or stats.streamed_blocks != 0:
         raise SystemExit(f"[layerwise-offload] bench: expected only the {num_blocks} resident copies, got {stats}")
     med = {name: statistics.median(values) for name, values in samples.items()}
     per_block_us = lambda a, b: (med[a] - med[b]) / num_blocks * 1e6  # noqa: E731
+    iqr = lambda v: (lambda q: q[2] - q[0])(statistics.quantiles(v, n=4))  # noqa: E731
     return {
-        "num_blocks": num_blocks,
-        "repeats": repeats,
-        "forwards_per_sample": inner,
+        "num_blocks": num_blocks, "repeats": repeats, "forwards_per_sample": inner,
         "median_forward_us": {name: value * 1e6 for name, value in med.items()},
         "iqr_forward_us": {name: iqr(values) * 1e6 for name, values in samples.items()},
         "ratio_manager_vs_bare": med["manager"] / med["bare"],
@@ -148,31 +103,20 @@ def bench_hooks(device: torch.device, num_blocks: int, repeats: int, inner: int)
 class FatBlock(nn.Module):
     """Large weights, negligible compute: the forward reads one row, so the time is the copy."""
 
-    def __init__(self, nbytes: int, dim: int):
+    def __init__(self, nbytes: int, dim: int = 64):
         super().__init__()
-        rows = max(1, nbytes // 4 // dim)
-        self.weight = nn.Parameter(torch.full((rows, dim), 1e-3))
+        self.weight = nn.Parameter(torch.full((max(1, nbytes // 4 // dim), dim), 1e-3))
         self.bias = nn.Parameter(torch.zeros(dim))
 
     def forward(self, x):
         return x + self.weight[0] + self.bias
 
 
-class FatModel(nn.Module):
-    def __init__(self, num_blocks: int, block_bytes: int, dim: int = 64):
-        super().__init__()
-        self.blocks = nn.ModuleList(FatBlock(block_bytes, dim) for _ in range(num_blocks))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-
-
 def bench_copies(device: torch.device, num_blocks: int, block_bytes: int, repeats: int, prefetch: int) -> dict:
     cuda = device.type == "cuda"
-    model = FatModel(num_blocks, block_bytes)
-    manager = offload.apply_layerwise_offload(list(model.blocks), device, root=model, resident_layers=0,
+    blocks = nn.ModuleList(FatBlock(block_bytes) for _ in range(num_blocks))
+    model = nn.Sequential(*blocks)
+    manager = offload.apply_layerwise_offload(list(blocks), device, root=model, resident_layers=0,
                                               prefetch_size=prefetch)
     sizes = manager.block_nbytes()
     total = sum(sizes)
@@ -180,59 +124,42 @@ def bench_copies(device: torch.device, num_blocks: int, block_bytes: int, repeat
     src = torch.ones(total, dtype=torch.uint8, pin_memory=cuda)
     dst = torch.empty(total, dtype=torch.uint8, device=device)
 
-    def plain_copy():
-        # On CUDA: one async copy from pinned memory on the current stream, which the timing events bracket.
+    def plain_copy():  # on CUDA one async copy from pinned memory on the current stream, bracketed by the events
         dst.copy_(src, non_blocking=cuda)
 
+    def forward_only():
+        model(x)
+        if cuda:  # count the copies this forward queued ahead (the wrap-around prefetch) in its time too
+            # Looks inside: the manager's copy stream, which a forward leaves running by design.
+            torch.cuda.current_stream(device).wait_stream(manager.backend.copy_stream)
+
     per_forward = {"bytes": [], "copy_seconds": []}
-    timer = Timer(device)
+    samples = {"plain_copy": [], "manager_forward": []}
     with torch.inference_mode():
         for _ in range(2):  # warm up: arm (build the host store) and touch every page of src/dst
             model(x)
             plain_copy()
-        if cuda:
-            torch.cuda.synchronize()
-
-        # stats() synchronizes on CUDA, so it is read around the timed forward, not inside it.
-        def forward_only():
-            model(x)
-            if cuda:
-                # Count the copies this forward queued ahead (the wrap-around prefetch) in its time too.
-                # Looks inside: the manager's copy stream, which a forward leaves running by design.
-                torch.cuda.current_stream(device).wait_stream(manager.backend.copy_stream)
-
-        samples = {"plain_copy": [], "manager_forward": []}
         for round_index in range(repeats):
-            order = [("plain_copy", plain_copy), ("manager_forward", forward_only)]
-            if round_index % 2:
-                order.reverse()
+            order = [("plain_copy", plain_copy), ("manager_forward", forward_only)][::-1 if round_index % 2 else 1]
             for name, fn in order:
-                if name == "manager_forward":
-                    before = manager.stats(synchronize=True)
-                    samples[name].append(timer(fn))
-                    after = manager.stats(synchronize=True)
-                    per_forward["bytes"].append(after.bytes_copied - before.bytes_copied)
-                    per_forward["copy_seconds"].append(after.copy_seconds - before.copy_seconds)
-                else:
-                    samples[name].append(timer(fn))
+                if name == "plain_copy":
+                    samples[name].append(seconds(fn, cuda))
+                    continue
+                before = manager.stats(synchronize=True)  # stats() synchronizes: read around the timed forward
+                samples[name].append(seconds(fn, cuda))
+                after = manager.stats(synchronize=True)
+                per_forward["bytes"].append(after.bytes_copied - before.bytes_copied)
+                per_forward["copy_seconds"].append(after.copy_seconds - before.copy_seconds)
     stats = manager.stats()
     moved = statistics.median(per_forward["bytes"])
-    plain_s = statistics.median(samples["plain_copy"])
-    forward_s = statistics.median(samples["manager_forward"])
+    plain_s, forward_s = statistics.median(samples["plain_copy"]), statistics.median(samples["manager_forward"])
     copy_s = statistics.median(per_forward["copy_seconds"])
-    plain_bps = total / plain_s
+    plain_bps, forward_bps = total / plain_s, moved / forward_s
     copy_bps = moved / copy_s if copy_s > 0 else float("nan")
-    forward_bps = moved / forward_s
     return {
-        "num_blocks": num_blocks,
-        "block_bytes": sizes[0],
-        "total_bytes": total,
-        "prefetch_size": prefetch,
-        "repeats": repeats,
-        "pinned_host_bytes": stats.pinned_host_bytes,
-        "bytes_per_forward": moved,
-        "copies_per_forward": stats.copies_last_forward,
-        "demand_copies_total": stats.demand_copies,
+        "num_blocks": num_blocks, "block_bytes": sizes[0], "total_bytes": total, "prefetch_size": prefetch,
+        "repeats": repeats, "pinned_host_bytes": stats.pinned_host_bytes, "bytes_per_forward": moved,
+        "copies_per_forward": stats.copies_last_forward, "demand_copies_total": stats.demand_copies,
         "peak_materialized_blocks": stats.peak_materialized_blocks,
         "median_seconds": {"plain_copy": plain_s, "manager_forward": forward_s, "manager_copies": copy_s},
         "gb_per_s": {"plain_copy": plain_bps / 1e9, "manager_copies": copy_bps / 1e9,
@@ -243,85 +170,258 @@ def bench_copies(device: torch.device, num_blocks: int, block_bytes: int, repeat
     }
 
 
-# ----------------------------------------------------------------- report
-def print_report(result: dict) -> None:
+def print_engine(result: dict) -> None:
     hooks, copies = result["hooks"], result["copies"]
-    print(f"[layerwise-offload] bench: torch {result['torch']}, device {result['device']}"
-          f" ({result['device_name']}), {result['threads']} CPU threads")
-    print(f"\n(a) hook overhead, {hooks['num_blocks']} tiny blocks all resident, "
-          f"median of {hooks['repeats']} interleaved samples x {hooks['forwards_per_sample']} forwards")
-    print(f"  {'variant':<12} {'forward us':>12} {'(IQR)':>9} {'us/block':>10} {'vs bare':>9}")
-    med, spread = hooks["median_forward_us"], hooks["iqr_forward_us"]
+    med, spread, n = hooks["median_forward_us"], hooks["iqr_forward_us"], hooks["num_blocks"]
+    print(f"[layerwise-offload] bench: torch {result['torch']}, device {result['device']} ({result['device_name']}), "
+          f"{result['threads']} CPU threads\n\n(a) hook overhead, {n} tiny blocks all resident, median of "
+          f"{hooks['repeats']} interleaved samples x {hooks['forwards_per_sample']} forwards")
     for name in ("bare", "noop_hooks", "manager"):
-        print(f"  {name:<12} {med[name]:>12.1f} {spread[name]:>9.1f} {med[name] / hooks['num_blocks']:>10.2f} "
-              f"{med[name] / med['bare']:>8.3f}x")
+        print(f"  {name:<12} {med[name]:>10.1f} us per forward (IQR {spread[name]:.1f}), {med[name] / n:.2f} us/block, "
+              f"{med[name] / med['bare']:.3f}x bare")
     print(f"  manager overhead: {hooks['manager_overhead_us_per_block']:.2f} us/block over bare "
           f"({hooks['noop_hook_overhead_us_per_block']:.2f} us of it is PyTorch's hook dispatch, "
-          f"{hooks['manager_logic_us_per_block']:.2f} us the manager's own work); "
-          f"ratio manager/bare = {hooks['ratio_manager_vs_bare']:.3f}")
+          f"{hooks['manager_logic_us_per_block']:.2f} us the manager's own work)")
     print(f"\n(b) host-store materialization, {copies['num_blocks']} streamed blocks x "
-          f"{copies['block_bytes'] / 2**20:.1f} MiB = {copies['total_bytes'] / 2**20:.0f} MiB per forward, "
-          f"prefetch {copies['prefetch_size']}, pinned {copies['pinned_host_bytes'] / 2**20:.0f} MiB, "
-          f"median of {copies['repeats']}")
-    print(f"  {'what':<34} {'ms':>9} {'GB/s':>8} {'vs plain':>9}")
+          f"{copies['block_bytes'] / MiB:.1f} MiB = {copies['total_bytes'] / MiB:.0f} MiB per forward, prefetch "
+          f"{copies['prefetch_size']}, pinned {copies['pinned_host_bytes'] / MiB:.0f} MiB, median of "
+          f"{copies['repeats']}")
     secs, gbps = copies["median_seconds"], copies["gb_per_s"]
-    rows = (("one plain dst.copy_(src)", "plain_copy", "plain_copy"),
-            ("manager copies (stats.copy_seconds)", "manager_copies", "manager_copies"),
-            ("manager forward (end to end)", "manager_forward", "manager_forward"))
-    for label, sec_key, rate_key in rows:
-        print(f"  {label:<34} {secs[sec_key] * 1e3:>9.2f} {gbps[rate_key]:>8.2f} "
-              f"{gbps[rate_key] / gbps['plain_copy']:>8.3f}x")
-    print(f"  bytes/forward {copies['bytes_per_forward'] / 2**20:.0f} MiB in {copies['copies_per_forward']} copies, "
+    for label, key in (("one plain dst.copy_(src)", "plain_copy"), ("manager copies (stats.copy_seconds)",
+                       "manager_copies"), ("manager forward (end to end)", "manager_forward")):
+        print(f"  {label:<36} {secs[key] * 1e3:9.2f} ms {gbps[key]:8.2f} GB/s {gbps[key] / gbps['plain_copy']:.3f}x")
+    print(f"  bytes/forward {copies['bytes_per_forward'] / MiB:.0f} MiB in {copies['copies_per_forward']} copies, "
           f"peak materialized blocks {copies['peak_materialized_blocks']}, "
           f"demand copies {copies['demand_copies_total']}")
     print(f"\n[layerwise-offload] bench ratios: hook manager/bare {hooks['ratio_manager_vs_bare']:.3f} "
-          f"({hooks['manager_overhead_us_per_block']:.2f} us/block); "
-          f"copies vs one plain copy {copies['ratio_manager_copies_vs_plain']:.3f}, "
-          f"forward vs one plain copy {copies['ratio_manager_forward_vs_plain']:.3f}")
+          f"({hooks['manager_overhead_us_per_block']:.2f} us/block); copies vs one plain copy "
+          f"{copies['ratio_manager_copies_vs_plain']:.3f}, forward vs one plain copy "
+          f"{copies['ratio_manager_forward_vs_plain']:.3f}")
+
+
+def engine(args, device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    repeats = args.repeats if args.repeats is not None else (30 if cuda else 15)
+    block_mib = args.block_mib if args.block_mib is not None else (32.0 if cuda else 8.0)
+    result = {
+        "torch": torch.__version__, "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if cuda else "host (CPU loopback)",
+        "threads": torch.get_num_threads(),
+        "hooks": bench_hooks(device, args.hook_blocks, repeats=max(repeats, 41), inner=5),
+        "copies": bench_copies(device, args.stream_blocks, int(block_mib * MiB), repeats, args.prefetch),
+    }
+    print_engine(result)
+    return result
+
+
+# ----------------------------------------------------------------- host RAM
+class RecordingPinner:
+    """Stands in for cudaHostRegister without a GPU: grants every request and remembers its size."""
+
+    def __init__(self):
+        self.live = {}
+
+    def register(self, tensor):
+        self.live[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return True
+
+    def unregister(self, tensor):
+        self.live.pop(tensor.data_ptr())
+
+
+def power_of_two(nbytes: int) -> int:
+    return 1 << max(0, nbytes - 1).bit_length()
+
+
+def pinned_for(device: torch.device, dim: int, blocks: int, resident: int) -> dict:
+    model = toy.ToyTransformer(dim=dim, hidden=2 * dim, double=blocks // 2, single=blocks - blocks // 2)
+    environment = offload.HostEnvironment(**({} if device.type == "cuda" else {"pinner": RecordingPinner()}))
+    manager = offload.LayerwiseOffloadManager(model.blocks_in_call_order(), device, pin_memory=True,
+                                              resident_layers=resident, environment=environment)
+    manager.prepare()
+    sizes = manager.block_nbytes()
+    stats = manager.stats(synchronize=False)
+    result = dict(sizes=sizes, streamed=sum(sizes[resident:]), requested=stats.host_bytes_requested,
+                  pinned=stats.host_bytes_pinned, store=stats.host_bytes)
+    ledger = manager.store.ledger  # looks inside: the pin ledger outlives the store, and shows detach unpinned all
+    manager.detach()
+    result["pinned_after_detach"] = ledger.bytes_pinned
+    return result
+
+
+def host_ram(args, device: torch.device) -> dict:
+    pinner = "cudaHostRegister" if device.type == "cuda" else "recording stand-in (no GPU)"
+    print(f"[layerwise-offload] host RAM bench: {args.blocks} blocks of dim {args.dim}, device {device}, "
+          f"pinner: {pinner}")
+    out = {}
+    for resident in (0, args.resident):
+        r = out[resident] = pinned_for(device, args.dim, args.blocks, resident)
+        pow2 = sum(power_of_two(s) for s in r["sizes"][resident:])
+        print(f"  resident {resident}: store {r['store'] / MiB:.1f} MiB, streamed {r['streamed'] / MiB:.1f} MiB, "
+              f"requested {r['requested'] / MiB:.1f} MiB, pinned {r['pinned'] / MiB:.1f} MiB -> pinned / streamed = "
+              f"{r['pinned'] / max(1, r['streamed']):.4f} (caching allocator would pin {pow2 / MiB:.1f} MiB = "
+              f"{pow2 / max(1, r['streamed']):.3f}x); after detach {r['pinned_after_detach']} B pinned")
+        if resident:
+            saved = r["store"] - r["streamed"]
+            print(f"  residents keep a pageable host copy: {saved / MiB:.1f} MiB of RAM not page-locked "
+                  f"({saved / r['store']:.0%} of the store)")
+    flux = 19 * [648 * MiB] + 38 * [270 * MiB]
+    print(f"  Flux.1-dev bf16 blocks: exact {sum(flux) / 2**30:.1f} GiB vs power-of-two rounding "
+          f"{sum(map(power_of_two, flux)) / 2**30:.1f} GiB ({sum(map(power_of_two, flux)) / sum(flux):.2f}x)")
+    if device.type == "cuda":
+        stats = torch.cuda.host_memory_stats()
+        print(f"  torch.cuda.host_memory_stats(): {dict((k, v) for k, v in stats.items() if 'bytes' in k)}")
+    return out
+
+
+# ----------------------------------------------------------------- the disk tier
+class Block(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return x + self.b(torch.relu(self.a(x)))
+
+
+def anon_rss() -> int:
+    with open("/proc/self/status") as status:
+        return next((int(line.split()[1]) * 1024 for line in status if line.startswith("RssAnon:")), 0)
+
+
+def plain_direct_read(path: str, chunk: int, repeats: int = 2) -> float:
+    """GB/s of a sequential O_DIRECT read loop over ``path`` into one page-aligned buffer."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    view = memoryview(mmap.mmap(-1, chunk))
+    size = os.fstat(fd).st_size
+    best = 0.0
+    try:
+        for _ in range(repeats):
+            start, offset = time.perf_counter(), 0
+            while offset < size:
+                # O_DIRECT lengths are whole pages: the last one reads short at the end of the file.
+                got = os.preadv(fd, [view[:min(chunk, -(-(size - offset) // 4096) * 4096)]], offset)
+                if got <= 0:
+                    break
+                offset += got
+            best = max(best, size / (time.perf_counter() - start) / 1e9)
+    finally:
+        os.close(fd)
+    return best
+
+
+def checkpoint_blocks(blocks: nn.ModuleList, folder: str):
+    """Save ``blocks`` as a safetensors checkpoint in ``folder``, out of the page cache, and give back the file and
+    blocks whose weights are its mapped tensors (the RAM copies freed)."""
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"layerwise-offload-bench-{os.getpid()}.safetensors")
+    save_file({k: v.contiguous() for k, v in blocks.state_dict().items()}, path)
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    checkpoint = offload.CheckpointFile(path)
+    blocks.load_state_dict(checkpoint.state_dict(), assign=True)
+    return checkpoint, blocks
+
+
+def disk(args, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    before = anon_rss()
+    blocks = nn.ModuleList(Block(args.dim) for _ in range(args.blocks))
+    checkpoint = None
+    if args.source == "checkpoint":
+        checkpoint, blocks = checkpoint_blocks(blocks, args.folder or offload.default_disk_folder())
+        before = anon_rss()
+    x = torch.randn(1, 4, args.dim, device=device)
+    manager = offload.LayerwiseOffloadManager(list(blocks), device, resident_layers=0, host_store="disk",
+                                              environment=offload.HostEnvironment(disk_folder=args.folder))
+    manager.attach()
+    per_step, stalls = [], []
+    with torch.no_grad():
+        for _ in range(args.steps):
+            read, stall = manager.stats().disk_bytes_read, manager.stats().disk_stall_seconds
+            h = x
+            for block in blocks:
+                h = block(h)
+            stats = manager.stats()
+            per_step.append(stats.disk_bytes_read - read)
+            stalls.append(stats.disk_stall_seconds - stall)
+    grown = anon_rss() - before
+    stats = manager.stats()
+    # Looks inside: the cache file's path and the tier's request size, to time a plain read of the same file.
+    cache = manager.host.disk
+    source_path = checkpoint.path if checkpoint is not None else cache.file.path
+    plain = plain_direct_read(source_path, offload.disk.tier.CHUNK_BYTES)
+    tier_gbps = stats.disk_bytes_read / stats.disk_read_seconds / 1e9 if stats.disk_read_seconds else 0.0
+    slots = stats.slot_count * max(manager.block_nbytes()) if device.type == "cpu" else 0
+    result = {
+        "device": str(device), "blocks": args.blocks, "block_bytes": max(manager.block_nbytes()),
+        "source": args.source, "disk_blocks": stats.disk_blocks, "checkpoint_blocks": stats.disk_checkpoint_blocks,
+        "disk_stored_bytes": stats.disk_bytes, "o_direct": checkpoint is None and cache.file.direct,
+        "disk_bytes_read_per_step": per_step, "steady_read_equals_stored": per_step[-1] == stats.disk_bytes,
+        "tier_read_gbps": round(tier_gbps, 3), "plain_o_direct_read_gbps": round(plain, 3),
+        "ratio": round(tier_gbps / plain, 3) if plain else None,
+        "stall_seconds_per_step": [round(s, 4) for s in stalls], "rss_growth_bytes": grown,
+        "staging_bytes": stats.staging_bytes, "loopback_slot_bytes": slots,
+        "rss_growth_within_target": grown <= 1.05 * (stats.staging_bytes + slots), "folder": cache.folder,
+        "read_file": source_path,
+    }
+    manager.detach()
+    if checkpoint is not None:
+        os.unlink(checkpoint.path)
+    print(json.dumps(result, indent=2))
+    args.json = args.json or str(RESULTS / f"disk_tier_{device.type}{'_checkpoint' if checkpoint else ''}.json")
+    return result
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--json", default=None, help="also write the results to this JSON file")
-    parser.add_argument("--repeats", type=int, default=None, help="interleaved samples per variant")
-    parser.add_argument("--hook-blocks", type=int, default=96, help="tiny blocks in the hook benchmark")
-    parser.add_argument("--stream-blocks", type=int, default=32, help="streamed blocks in the copy benchmark")
-    parser.add_argument("--block-mib", type=float, default=None,
-                        help="MiB per streamed block (default 8 on the CPU, 32 on CUDA)")
-    parser.add_argument("--prefetch", type=int, default=1, help="prefetch_size for the copy benchmark")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads (default 1 on the CPU: on a busy 2-core host, tiny ops "
-                             "spread over 2 threads run 50x slower and drown what is measured; CUDA: unchanged)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {"engine": engine, "host-ram": host_ram, "disk": disk}
+    if not argv or argv[0] not in commands:
+        argv.insert(0, "engine")  # `bench_engine.py [--device ...]`: the hook and copy benchmarks
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available; disk: cpu)")
+    common.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p = sub.add_parser("engine", parents=[common], help="(a) hook overhead and (b) copy throughput")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default 1 on the CPU: on a busy 2-core host, tiny ops spread "
+                        "over 2 threads run 50x slower and drown what is measured; CUDA: unchanged)")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved samples per variant")
+    p.add_argument("--hook-blocks", type=int, default=96, help="tiny blocks in the hook benchmark")
+    p.add_argument("--stream-blocks", type=int, default=32, help="streamed blocks in the copy benchmark")
+    p.add_argument("--block-mib", type=float, default=None, help="MiB per streamed block (default 8 CPU, 32 CUDA)")
+    p.add_argument("--prefetch", type=int, default=1, help="prefetch_size for the copy benchmark")
+    p = sub.add_parser("host-ram", parents=[common], help="pinned / streamed host-store bytes")
+    p.add_argument("--dim", type=int, default=1024)
+    p.add_argument("--blocks", type=int, default=8)
+    p.add_argument("--resident", type=int, default=3)
+    p = sub.add_parser("disk", parents=[common], help="the disk tier's reads against a plain O_DIRECT read")
+    p.add_argument("--dim", type=int, default=2048)
+    p.add_argument("--blocks", type=int, default=16)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--folder", default=None, help="the cache file's folder (default: the pack's default)")
+    p.add_argument("--source", choices=("cache", "checkpoint"), default="cache")
     args = parser.parse_args(argv)
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and args.command != "disk" else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("[layerwise-offload] bench: --device cuda, but torch.cuda.is_available() is False")
     if device.type not in ("cpu", "cuda"):
         raise SystemExit(f"[layerwise-offload] bench: --device must be cpu or cuda, got {args.device!r}")
-    cuda = device.type == "cuda"
-    block_mib = args.block_mib if args.block_mib is not None else (32.0 if cuda else 8.0)
-    repeats = args.repeats if args.repeats is not None else (30 if cuda else 15)
-
-    threads = args.threads if args.threads is not None else (None if cuda else 1)
-    if threads is not None:
-        torch.set_num_threads(threads)
-
+    if args.command == "engine" and (args.threads or device.type == "cpu"):
+        torch.set_num_threads(args.threads or 1)
     started = time.perf_counter()
-    result = {
-        "torch": torch.__version__,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if cuda else "host (CPU loopback)",
-        "threads": torch.get_num_threads(),
-        "hooks": bench_hooks(device, args.hook_blocks, repeats=max(repeats, 41), inner=5),
-        "copies": bench_copies(device, args.stream_blocks, int(block_mib * 2**20), repeats, args.prefetch),
-    }
-    result["seconds"] = time.perf_counter() - started
-    print_report(result)
-    print(f"[layerwise-offload] bench took {result['seconds']:.1f} s")
+    result = commands[args.command](args, device)
+    if args.command == "engine":
+        result["seconds"] = time.perf_counter() - started
+    print(f"[layerwise-offload] bench took {time.perf_counter() - started:.1f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"[layerwise-offload] wrote {args.json}")
     return 0
 
