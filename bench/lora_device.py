@@ -2,39 +2,41 @@
 
     python -P bench/lora_device.py [--device cpu|cuda] [--dim 768] [--blocks 4] [--steps 4] [--repeats 2] [--cycles 2]
 
-A Wan 2.1 of ComfyUI's own class (random weights, ``dim`` wide, fp32 on the CPU, bf16 on CUDA), a rank-4 LoRA
-over every Linear of its blocks, every block streamed (``resident_layers=0``, the worst case: each block is
-patched at every copy). Three ways, each on a fresh model, timed over ``repeats`` sampling runs after a
-warm-up run, the ways taking turns ``cycles`` times; the fastest run of each way counts:
-
-- ``device``: the node as it is, the LoRA applied on the device after each copy (the host keeps the unpatched
-  weights once);
-- ``baked``:  the LoRA baked into the host store once (the node's way before, and still its way for quantized
-  weights): no work per copy, but the patched weights are a second copy in RAM while ComfyUI keeps backups;
-- ``none``:   no LoRA.
-
-It prints ms per step and the ratios device / baked and device / none, the extra time per streamed block
-copy, and checks that ``device`` and ``baked`` are bitwise equal to ComfyUI's own full load with the LoRA.
-On the CPU loopback the "device" work and the copies run on the same cores, so only the ratios mean
-anything; on a GPU the work runs on the copy stream, beside the compute of the block before.
+A Wan 2.1 of ComfyUI's own class (random weights, ``dim`` wide, fp32 on the CPU, bf16 on CUDA), a rank-4 LoRA over
+every Linear of its blocks, every block streamed (the worst case: each block is patched at every copy). Three
+ways, each on a fresh model, timed over ``repeats`` sampling runs after a warm-up run, taking turns ``cycles``
+times; the fastest run of each way counts: ``device`` (the node as it is: the LoRA applied on the device after
+each copy, the host keeps the unpatched weights once), ``baked`` (the LoRA baked into the host store once, the
+node's way for quantized weights: no work per copy, but a second copy in RAM) and ``none``. Prints ms per step,
+device / baked and device / none, the extra time per streamed block copy, and whether ``device`` and ``baked``
+are bitwise ComfyUI's own full load with the LoRA. On the CPU loopback the LoRA math and the copies share the
+cores, so only the ratios mean anything; on a GPU the math runs on a stream of its own.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":  # run by path: the pack registered as `layerwise_offload`, so the relative imports work
+    import runpy
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["import_pack_modules"]()
+    __package__ = "layerwise_offload.bench"
+
+from .measure import CPU_LOOPBACK_ENV, block_lora, with_lora  # noqa: E402
+from ..devtools import comfy_env  # noqa: E402
 
 
-def _comfy_env():
-    spec = importlib.util.spec_from_file_location("_lwo_lora_comfy_env", REPO_ROOT / "devtools" / "comfy_env.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def timed(transform, total):
+    """``transform`` with its time added to ``total[0]`` (host clock; on CUDA only the time to queue it)."""
+    def run(index, weights):
+        start = time.perf_counter()
+        transform(index, weights)
+        total[0] += time.perf_counter() - start
+    run.signature = transform.signature
+    return run
 
 
 def main() -> None:
@@ -46,16 +48,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cycles", type=int, default=2)
     args = parser.parse_args()
-    os.environ["LAYERWISE_OFFLOAD_CPU_LOOPBACK"] = "1"
-    env = _comfy_env()
-    env.import_pack_modules(root=REPO_ROOT)
-    env.import_comfyui(cpu=args.device == "cpu", import_nodes=False)
+    os.environ[CPU_LOOPBACK_ENV] = "1"
+    comfy_env.import_comfyui(cpu=args.device == "cpu", import_nodes=False)
     import torch
     import comfy.model_management as mm
-    import comfy.sd
-    from layerwise_offload.devtools import tiny_dits
-    from layerwise_offload.nodes import controller as controller_module
-    from layerwise_offload.nodes.offload_node import offload_model
+    from ..devtools import tiny_dits
+    from ..nodes import controller as controller_module
+    from ..nodes.offload_node import offload_model
 
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     config = dict(tiny_dits.WAN21_TINY_CONFIG, dim=args.dim, num_heads=args.dim // 128, ffn_dim=4 * args.dim,
@@ -64,38 +63,25 @@ def main() -> None:
     def build():
         return tiny_dits._build("WAN21_T2V", config, 5, dtype)
 
-    def lora_for(patcher, rank=4):
-        generator = torch.Generator().manual_seed(7)
-        lora = {}
-        for key, tensor in patcher.model.state_dict().items():
-            if ".blocks." in key and key.endswith(".weight") and tensor.ndim == 2:
-                stem = key[:-len(".weight")]
-                lora[f"{stem}.lora_up.weight"] = 0.05 * torch.randn(tensor.shape[0], rank, generator=generator)
-                lora[f"{stem}.lora_down.weight"] = 0.05 * torch.randn(rank, tensor.shape[1], generator=generator)
-        return lora
-
-    lora = lora_for(build())
-
-    def with_lora(patcher):
-        return comfy.sd.load_lora_for_models(patcher, None, lora, 0.8, 0)[0]
-
     def sample(patcher):
         return tiny_dits.sample(patcher, seed=3, steps=args.steps, family="wan21")
 
-    reference = sample(with_lora(build()))
+    lora = block_lora(build(), rank=4)
+    reference = sample(with_lora(build(), lora))
     mm.unload_all_models()
+    # Looks inside: "baked" is the node with no device patch plan, as it runs for quantized weights.
     device_plan = controller_module.device_patch_plan
     rows, times, copies, transform_seconds = {}, {}, {}, [0.0]
     for _ in range(args.cycles):  # the ways take turns, so a busy machine slows each of them alike
         for way in ("device", "baked", "none"):
             controller_module.device_patch_plan = device_plan if way == "device" else (lambda *a, **k: {})
             model = build()
-            offloaded = offload_model(with_lora(model) if way != "none" else model, 0, 1, "leading", False)
+            offloaded = offload_model(with_lora(model, lora) if way != "none" else model, 0, 1, "leading", False)
             out = sample(offloaded)  # warm-up: packs the host store
             manager = offloaded.attachments["layerwise_offload"].manager
             if manager.after_copy is not None:
                 transform_seconds[0] = 0.0
-                manager.set_after_copy(timed(manager.after_copy, args.device, transform_seconds))
+                manager.set_after_copy(timed(manager.after_copy, transform_seconds))
             copies_before, copy_seconds_before = manager.stats().copies_issued, manager.stats().copy_seconds
             for _ in range(args.repeats):
                 before = manager.stats().forwards
@@ -107,10 +93,10 @@ def main() -> None:
                     torch.cuda.synchronize()
                 times.setdefault(way, []).append(time.perf_counter() - start)
                 forwards = manager.stats().forwards - before
-            equal = torch.equal(out, reference) if way != "none" else None
             after = manager.stats()
             copies[way] = (after.copies_issued - copies_before, after.copy_seconds - copy_seconds_before)
-            rows[way] = (min(times[way]) / args.steps, forwards, after.host_bytes, equal)
+            rows[way] = (min(times[way]) / args.steps, forwards, after.host_bytes,
+                         torch.equal(out, reference) if way != "none" else None)
             del offloaded, model, manager
             mm.unload_all_models()
     controller_module.device_patch_plan = device_plan
@@ -131,16 +117,6 @@ def main() -> None:
         math, copy = transform_seconds[0] / count, (seconds - transform_seconds[0]) / count
         print(f"  LoRA math per block copy {math * 1000:.2f} ms against the copy itself {copy * 1000:.2f} ms: "
               f"math / copy = {math / copy:.2f} ({count} copies in the last cycle)")
-
-
-def timed(transform, device, total):
-    """``transform`` with its time added to ``total[0]`` (host clock; on CUDA only the time to queue it)."""
-    def run(index, weights):
-        start = time.perf_counter()
-        transform(index, weights)
-        total[0] += time.perf_counter() - start
-    run.signature = transform.signature
-    return run
 
 
 if __name__ == "__main__":

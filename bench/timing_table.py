@@ -1,49 +1,54 @@
 """The timing model's table: predicted step time vs the bound for every template, resident count, policy and
-prefetch depth on four reference GPUs (offload/timing_model.py says how the prediction is made).
+prefetch depth on four reference GPUs (offload/timing_model.py predicts; the .md it writes says how and on what).
 
     .venv/bin/python -P bench/timing_table.py              # -> bench/results/timing_model.{csv,md,png}
     .venv/bin/python -P bench/timing_table.py --out /tmp/x --templates flux1_dev --gpus "RTX 4090 24GB"
 
-Per template (devtools/template_memory.py's list, block bytes from devtools/template_plans.json):
+Per template (devtools/template_memory.py's list, block bytes from devtools/template_plans.json), FLOPs per block
+are COUNTED, not derived: ComfyUI's own class at the released dimensions, one block per block list
+(activation_memory.py), runs one forward on the ``meta`` device at the template's latent and batch under
+``FlopCounterMode`` (matmuls, convolutions), attention replaced by activation_memory.py's flash-like stand-in plus
+the flash kernel's own count (``4 x batch x heads x query tokens x key tokens x head dim``). Element-wise work is
+the part of ``DIT_EFFICIENCY`` that is not matmul. The shape-only rule of thumb (:func:`shape_estimate`) counts
+the modulation linears at every token and the text stream's linears at the image's tokens, so it overestimates
+double-stream blocks up to 2.6x: whoever feeds the engine FLOPs should count. fp8 and GGUF weights are cast to
+bf16 every forward (``stored + 2 x weights`` bytes of device-memory traffic); LoRA rows apply ComfyUI's float32
+LoRA math on a stream of its own (about 28 bytes of traffic per weight) at every streamed copy.
 
-- FLOPs per block are COUNTED, not derived: ComfyUI 0.3.75's own model class, at the released dimensions with one
-  block per block list (bench/activation_specs.py), runs one forward on the ``meta`` device at the template's
-  latent and batch (2 where CFG batches cond and uncond) under ``torch.utils.flop_counter.FlopCounterMode``
-  (matmuls, convolutions); ComfyUI's attention functions are replaced, for the count, by bench/activation_memory.py's
-  flash-like stand-in, which adds ``4 x batch x heads x query tokens x key tokens x head dim`` (QK^T and AV) per
-  call, the flash kernel's own count. Element-wise work (norms, RoPE, gates, activations) is not counted: it is
-  the part of :data:`~offload.timing_model.DIT_EFFICIENCY` that is not matmul. The FLOPs outside the blocks are the
-  forward's total minus the blocks'. The markdown compares the count with the shape-only rule of thumb
-  ``2 x linear weights x tokens + 4 x tokens^2 x width`` (:func:`shape_estimate`): it counts the modulation linears,
-  which see one vector per item, and the text stream's linears at the image's tokens, so it overestimates
-  double-stream blocks (Flux, HunyuanVideo, Qwen-Image) up to 2.6x. Whoever feeds the engine FLOPs should count.
-- Bytes per block are the stored bytes the node copies (bf16, fp8 or GGUF Q4_K_M). fp8 and GGUF weights are cast or
-  dequantised to bf16 every forward: ``stored + 2 x weights`` bytes of device-memory traffic per block on the
-  compute stream. Host time per streamed block: 0.4 ms, 1.5 ms for quantized weight objects (fp8 scaled, GGUF).
-- LoRA rows (``lora = 1``): every linear weight LoRA'd on the device, ComfyUI's float32 math on a stream of its own:
-  about 28 bytes of device-memory traffic per weight (cast to fp32, the up x down product, the add, stochastic
-  rounding back), run once per streamed copy.
-
-Rows: every resident count 0..N of every template on every GPU, under leading and strided with prefetch 1-4
-(LoRA rows for prefetch 1 only). ``fits`` says whether the plan (residents + slots + non-block weights +
-activations + ComfyUI's reserve + 0.5 GiB context) fits the card; ``auto`` marks the count the planner picks for
-that card. Takes about a minute on one core: the manager's schedule is recorded once per block count and plan.
+Rows: every resident count 0..N, leading and strided, prefetch 1-4 (LoRA rows prefetch 1). ``fits``: the plan
+(residents + slots + non-block weights + activations + ComfyUI's reserve + 0.5 GiB context) fits the card;
+``auto``: the count the planner picks there. About a minute on one core.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import importlib.util
+import dataclasses
 import math
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
+if __name__ == "__main__":  # run by path: the pack registered as `layerwise_offload`, so the relative imports work
+    import runpy
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["import_pack_modules"]()
+    __package__ = "layerwise_offload.bench"
+
+import torch  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from . import dit_presets  # noqa: E402
+from .activation_memory import FAMILIES, attention_replaced, block_lists, flash_like_attention  # noqa: E402
+from .measure import RESULTS  # noqa: E402
+from ..devtools import comfy_env, template_memory  # noqa: E402
+from ..offload import Schedule, choose_resident_blocks, planner  # noqa: E402
+from ..offload import timing_model as tm  # noqa: E402
+from ..offload.timing_model import SETTINGS  # noqa: E402
+
 FIELDS = ("GPU", "template", "resident_count", "policy", "prefetch", "predicted_step_ms", "bound_ms", "ratio",
           "copy_idle_ms", "compute_stall_ms", "compute_ms", "copy_ms", "host_ms", "lora", "fits", "auto",
           "device_gib")
@@ -54,14 +59,6 @@ QUANTIZED_TEMPLATES = ("wan22_t2v_a14b_fp8", "wan22_t2v_a14b_gguf")  # quantized
 FAMILY_OF_CONFIG = {"Flux": "flux1", "WAN21_T2V": "wan_14b", "QwenImage": "qwen_image",
                     "HunyuanVideo": "hunyuan_video"}
 GB = 10 ** 9
-
-
-def _env():
-    spec = importlib.util.spec_from_file_location("_lwo_comfy_env", REPO / "devtools" / "comfy_env.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.register_pack(REPO)
-    return module
 
 
 @dataclass
@@ -83,10 +80,6 @@ class TemplateCosts:
 
 def count_flops(spec, latent: Sequence[int], batch: int):
     """(FLOPs of each block of the one-block-per-list model, whole forward's FLOPs, the blocks, attention calls)."""
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-    from layerwise_offload.bench.activation_memory import attention_replaced, block_lists, flash_like_attention
-
     model = spec.build(torch.bfloat16).eval()
     blocks = block_lists(model)
     calls: List[int] = []
@@ -138,8 +131,7 @@ def count_flops(spec, latent: Sequence[int], batch: int):
 def shape_estimate(block, tokens: int, batch: int = 1) -> float:
     """The rule of thumb: ``2 x linear weights x tokens + 4 x tokens^2 x width`` per batch item, ``width`` the block's
     narrowest linear input (its hidden size); every linear taken to see every token."""
-    from torch import nn
-    linear = [m for m in block.modules() if isinstance(m, nn.Linear)]
+    linear = [m for m in block.modules() if isinstance(m, torch.nn.Linear)]
     weights = sum(m.in_features * m.out_features for m in linear)
     width = min((m.in_features for m in linear), default=0)
     return float(batch) * (2.0 * weights * tokens + 4.0 * tokens * tokens * width)
@@ -147,13 +139,7 @@ def shape_estimate(block, tokens: int, batch: int = 1) -> float:
 
 def template_costs(keys=None) -> List[TemplateCosts]:
     """Imports ComfyUI (CPU) and counts every template's FLOPs on the meta device."""
-    env = _env()
-    env.import_comfyui(cpu=True, import_nodes=False)
-    import torch
-    from layerwise_offload.bench import dit_presets
-    from layerwise_offload.bench.activation_specs import FAMILIES
-    from layerwise_offload.devtools import template_memory
-    from layerwise_offload.offload import timing_model as tm
+    comfy_env.import_comfyui(cpu=True, import_nodes=False)
 
     plans = template_memory.load_plans()
     out = []
@@ -193,14 +179,8 @@ def template_costs(keys=None) -> List[TemplateCosts]:
     return out
 
 
-def template_plans():
-    from layerwise_offload.devtools import template_memory
-    return template_memory.load_plans()
-
-
 def auto_resident(tc: TemplateCosts, gpu, plans) -> int:
     """The count the planner picks on this card, fed as devtools/template_memory.py feeds it."""
-    from layerwise_offload.offload import planner
     free = gpu.vram_bytes - plans["context_and_desktop_bytes"] - tc.non_block_bytes
     plan = planner.plan_residency(list(tc.costs.block_bytes), max(free, 0), reserve_bytes=plans["comfy_reserve_bytes"],
                                   activation_bytes=tc.activation_bytes, prefetch_size=tc.prefetch)
@@ -208,10 +188,6 @@ def auto_resident(tc: TemplateCosts, gpu, plans) -> int:
 
 
 def rows_for(tc: TemplateCosts, gpu, plans) -> List[dict]:
-    from layerwise_offload.offload import timing_model as tm
-    from layerwise_offload.offload.timing_model import SETTINGS
-    from layerwise_offload.offload.schedule import Schedule, choose_resident_blocks
-
     n = tc.costs.num_blocks
     auto = auto_resident(tc, gpu, plans)
     fixed = plans["context_and_desktop_bytes"] + plans["comfy_reserve_bytes"] + tc.non_block_bytes + tc.activation_bytes
@@ -241,7 +217,6 @@ def _key(row) -> tuple:
 def fixes(rows: List[dict]) -> Dict[tuple, dict]:
     """Per (GPU, template, r): the setting within WITHIN that holds the fewest device bytes (ties: the order of
     ``timing_model.SETTINGS``), as ``timing_model.best_setting`` chooses."""
-    from layerwise_offload.offload.timing_model import SETTINGS
     order = {s: i for i, s in enumerate(SETTINGS)}
     best: Dict[tuple, dict] = {}
     for row in rows:
@@ -260,10 +235,6 @@ SENSITIVITY = (("DiT efficiency 0.5", 0.5, 1.0), ("DiT efficiency 1.0 (the matmu
 
 def sensitivity(templates: List[TemplateCosts], gpus, plans) -> List[str]:
     """How the defaults' misses move with the two figures the model leans on most (leading, prefetch 1 only)."""
-    import dataclasses
-    from layerwise_offload.offload import timing_model as tm
-    from layerwise_offload.offload.schedule import Schedule, choose_resident_blocks
-
     lines = ["| variant | plans over 1.05x at the defaults (fitting the card), by template and GPU | worst |",
              "| --- | --- | --- |"]
     for label, efficiency, h2d in SENSITIVITY:
@@ -283,22 +254,20 @@ def sensitivity(templates: List[TemplateCosts], gpus, plans) -> List[str]:
                     if ratio > WITHIN:
                         over.append((tc.key, g.name.rsplit(" ", 1)[0]))
                     worst = max(worst, (ratio, f"{tc.key}, {g.name}, r {r}"))
-        by = ", ".join(f"{k} {gpu}: {n}" for (k, gpu), n in sorted(_count(over)))
+        by = ", ".join(f"{k} {gpu}: {n}" for (k, gpu), n in sorted(Counter(over).items()))
         lines.append(f"| {label} | {len(over)}{' (' + by + ')' if by else ''} | {worst[0]:.3f} ({worst[1]}) |")
     return lines
 
 
 def headlines(rows: List[dict], templates: List[TemplateCosts], best: Dict[tuple, dict]) -> List[str]:
     """The findings, in numbers read from the rows."""
-    from layerwise_offload.offload.timing_model import SETTINGS
-
     plain = [r for r in rows if not r["lora"]]
     default = [r for r in plain if (r["policy"], r["prefetch"]) == DEFAULT]
     over = [r for r in default if r["ratio"] > WITHIN]
     out = [f"- At the defaults (leading, prefetch 1), {len(over)} of {len(default)} plans (template x GPU x resident "
            f"count) predict more than {WITHIN}x the bound, {sum(r['fits'] for r in over)} of them plans that fit "
            "their card:"]
-    for (template, gpu), n in sorted(_count((r["template"], r["GPU"]) for r in over)):
+    for (template, gpu), n in sorted(Counter((r["template"], r["GPU"]) for r in over).items()):
         mine = [r for r in over if (r["template"], r["GPU"]) == (template, gpu)]
         worst = max(mine, key=lambda r: r["ratio"])
         out.append(f"  - {template} on the {gpu}: r {_ranges([r['resident_count'] for r in mine])}, worst "
@@ -358,13 +327,6 @@ def same_budget(rows: List[dict]) -> Dict[tuple, List[tuple]]:
     return out
 
 
-def _count(items) -> List[tuple]:
-    counts: Dict[tuple, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return list(counts.items())
-
-
 def _ranges(values: List[int]) -> str:
     out, start, prev = [], None, None
     for v in sorted(values):
@@ -381,9 +343,6 @@ def _ranges(values: List[int]) -> str:
 
 
 def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path: Path) -> None:
-    from layerwise_offload.offload import timing_model as tm
-    from layerwise_offload.offload.timing_model import SETTINGS
-
     best = fixes(rows)
     default = [r for r in rows if (r["policy"], r["prefetch"]) == DEFAULT and not r["lora"]]
     by = {(_key(r), r["policy"], r["prefetch"], r["lora"]): r for r in rows}
@@ -499,7 +458,7 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
     lines += ["", "## Sensitivity", "",
               "The two figures the model leans on most, varied for the default setting (rows whose plan fits the "
               "card; the main tables use DiT efficiency 0.7 and the H2D rates above):", "",
-              *sensitivity(templates, gpus, template_plans())]
+              *sensitivity(templates, gpus, template_memory.load_plans())]
     lines += ["", "## One setting for every plan?", "",
               f"Rows (template x GPU x r, all fitting their card) above {WITHIN}x for each fixed setting of the "
               "grid:", "",
@@ -508,7 +467,8 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
         mine = [r for r in rows if not r["lora"] and (r["policy"], r["prefetch"]) == (policy, prefetch)]
         bad = [r for r in mine if r["ratio"] > WITHIN]
         worst = max(mine, key=lambda r: r["ratio"])
-        where = ", ".join(f"{g} {n}" for (g, n), _ in sorted(_count((r["GPU"].split()[1], r["template"]) for r in bad)))
+        where = ", ".join(f"{g} {n}" for (g, n), _ in
+                          sorted(Counter((r["GPU"].split()[1], r["template"]) for r in bad).items()))
         lines.append(f"| {policy} {prefetch} | {len(bad)}{' (' + where + ')' if where else ''} | "
                      f"{worst['ratio']:.3f} ({worst['GPU']}, {worst['template']}, {worst['resident_count']}) |")
     lines += ["", "## The same device memory, the best plan", "",
@@ -593,15 +553,12 @@ def plot(rows: List[dict], templates: List[TemplateCosts], gpus, path: Path) -> 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(HERE / "results"), help="folder for timing_model.csv / .md / .png")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for timing_model.csv / .md / .png")
     parser.add_argument("--templates", default="", help="comma-separated template keys (default: all)")
     parser.add_argument("--gpus", default="", help="comma-separated GPU names from offload.timing_model.GPUS")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     templates = template_costs([k for k in args.templates.split(",") if k] or None)
-    from layerwise_offload.devtools import template_memory
-    from layerwise_offload.offload import timing_model as tm
-
     names = [g for g in args.gpus.split(",") if g] or list(tm.GPUS)
     gpus = [tm.GPUS[g] for g in names]
     plans = template_memory.load_plans()

@@ -137,8 +137,7 @@ def test_live_bytes_tracker_counts_allocations_not_views_or_weights():
 
 
 def test_committed_table_is_what_the_script_measures():
-    from layerwise_offload.bench.activation_memory import measure_meta
-    from layerwise_offload.bench.activation_specs import CASES, FAMILIES
+    from layerwise_offload.bench.activation_memory import CASES, FAMILIES, measure_meta
     with open(REPO / "bench" / "results" / "activation_memory.csv", newline="") as f:
         committed = {(r["family"], r["resolution"], r["batch"]): r for r in csv.DictReader(f)}
     case = next(c for c in CASES if c.family == "flux1" and c.main)
