@@ -3,21 +3,13 @@
 The demo's three files (tiny Wan 2.1 DiT, tiny Wan 2.1 VAE, saved conditioning) are written by the pack's own
 shipped script, demo/install_tiny_demo.py, the same step a user runs, so the tests load exactly what users get.
 That script needs no ComfyUI code: it reads the tensors' names and shapes from demo/tiny_demo_tensors.json, which
-this module writes from ComfyUI's own classes (``--write-tensors``) and tests/comfy/test_tiny_demo_files.py checks
-against them, bitwise, on every tested ComfyUI.
-
-* **Conditioning without a text encoder.** A Wan graph needs UMT5-XXL (5.7B parameters, fixed size). ComfyUI's core
-  node ``LoadTrainingDataset`` (comfy_extras/nodes_dataset.py) ``torch.load``\\s (``weights_only=True``) every
-  ``shard_*.pkl`` in ``<output>/<folder_name>/`` (ComfyUI 0.3.75, 0.14.1) or ``<datasets>/<folder_name>/``
-  (0.33.0, which offers only the folders of datasets/ holding a metadata.json) and returns latents and
-  conditionings, so one shard with one T5-shaped conditioning ``[1, tokens, 4096]`` stands in; the negative comes
-  from ``ConditioningZeroOut``. The test servers' base folders get it in both places (:func:`copy_cond`).
-* **A tiny Wan 2.1 VAE.** ComfyUI reads the Wan 2.1 VAE width from ``decoder.head.0.gamma`` (comfy/sd.py), so a
-  random ``comfy.ldm.wan.vae.WanVAE(dim=8)`` is detected by ``VAELoader``.
-* **A model that is not a DiT**, for the error path (tests only, written here): an SD1.5-family UNet
-  (``comfy.supported_models.SD15``) with one level, one res block and one transformer block: ~17M parameters.
-
-Command line (used by scripts/run.sh)::
+this module writes from ComfyUI's own classes (``--write-tensors``; tests/comfy/test_tiny_demo_files.py checks
+the files against those classes, bitwise). The conditioning stands in for the UMT5-XXL text encoder: ComfyUI's
+core node ``LoadTrainingDataset`` loads one saved T5-shaped conditioning from output/ (0.3.75, 0.14.1) or
+datasets/ (0.33.0: only the folders holding a metadata.json); the test servers' base folders get it in both
+(:func:`copy_cond`). ``VAELoader`` reads the Wan 2.1 VAE width from ``decoder.head.0.gamma``, so a random
+``WanVAE(dim=8)`` is detected. For the error path, the tests also get a model that is not a DiT: a ~17M-parameter
+SD1.5-family UNet.
 
     python -P devtools/e2e_assets.py --base <ComfyUI base folder>     # models/, output/ and datasets/ under it
     python -P devtools/e2e_assets.py --write-tensors                  # demo/tiny_demo_tensors.json
@@ -42,6 +34,7 @@ import torch  # noqa: E402
 from ..demo import install_tiny_demo as demo  # noqa: E402  (the shipped writer: the tests use what users get)
 from .comfy_env import import_comfyui  # noqa: E402
 from .tiny_dits import init_tiny_weights  # noqa: E402
+from .tiny_unet import build_tiny_sd15  # noqa: E402
 
 #: File names under models/diffusion_models, models/vae and output/ or datasets/ (what the tiny workflow and the
 #: tests refer to).
@@ -91,22 +84,9 @@ def comfyui_tensor_specs() -> Dict[str, list]:
 
 
 def save_tiny_sd15_unet(path: "os.PathLike | str", seed: int = 0) -> str:
-    """A tiny SD1.5-family UNet (not a DiT) that ``UNETLoader`` detects as ``SD15``: model_channels 320 and
-    context_dim 768 (fixed by ComfyUI's matcher), one level, one res block, one transformer block (~17M params)."""
-    env = import_comfyui()
-    cfg_cls = env.supported_models.SD15
-    unet_config = {
-        **cfg_cls.unet_config,
-        "use_checkpoint": False, "image_size": 32, "use_spatial_transformer": True, "legacy": False,
-        "in_channels": 4, "out_channels": 4, "num_res_blocks": [1], "channel_mult": [1],
-        "transformer_depth": [1], "transformer_depth_output": [1, 1], "transformer_depth_middle": 1,
-        "use_temporal_resblock": False,
-    }
-    model_config = cfg_cls(unet_config)
-    model_config.set_inference_dtype(torch.float16, None)
-    model = model_config.get_model({}, "")
-    init_tiny_weights(model.diffusion_model, seed)
-    return _save(model.diffusion_model.state_dict(), Path(path), "tiny SD1.5-family UNet (not a DiT)")
+    """The tiny SD1.5-family UNet (devtools/tiny_unet.py: not a DiT) as a file ``UNETLoader`` detects as SD15."""
+    unet = build_tiny_sd15(seed).model.diffusion_model
+    return _save(unet.state_dict(), Path(path), "tiny SD1.5-family UNet (not a DiT)")
 
 
 def _stamp(seed: int) -> str:
@@ -179,11 +159,6 @@ def main(argv: Optional[list] = None) -> int:
 
     ap = argparse.ArgumentParser(description="Write the tiny demo/test assets into a ComfyUI base folder.")
     ap.add_argument("--base", help="ComfyUI base folder (holds models/, output/ and datasets/)")
-    ap.add_argument("--models-dir", help="models folder (default: <base>/models)")
-    ap.add_argument("--output-dir", help="output folder (default: <base>/output)")
-    ap.add_argument("--datasets-dir", help="datasets folder, where ComfyUI 0.33 reads the saved conditioning "
-                                           "(default: <base>/datasets)")
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-sd15", action="store_true", help="skip the tiny SD1.5 UNet (only the tests need it)")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--write-tensors", action="store_true",
@@ -195,9 +170,8 @@ def main(argv: Optional[list] = None) -> int:
     if not a.base:
         ap.error("--base is required")
     base = Path(a.base).resolve()
-    res = install_demo_assets(a.models_dir or base / "models", a.output_dir or base / "output", seed=a.seed,
-                              with_sd15=not a.no_sd15, force=a.force,
-                              datasets_dir=a.datasets_dir or base / "datasets")
+    res = install_demo_assets(base / "models", base / "output", with_sd15=not a.no_sd15, force=a.force,
+                              datasets_dir=base / "datasets")
     print(json.dumps(res, indent=1))
     return 0
 
