@@ -116,10 +116,6 @@ def save_tiny_wan21(path: "os.PathLike | str", seed: int = 0) -> str:
 
 # --------------------------------------------------------------------------------------------------- conditioning
 
-def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(shape, generator=gen, dtype=torch.float32)
-
-
 def _cond_factory(context_dim: int, pooled_dim: Optional[int] = None, guidance: Optional[float] = None,
                   tokens: int = TEXT_TOKENS, attention_mask: bool = False
                   ) -> Callable[[int], Tuple[Conditioning, Conditioning]]:
@@ -128,9 +124,9 @@ def _cond_factory(context_dim: int, pooled_dim: Optional[int] = None, guidance: 
         out = []
         for _ in range(2):  # positive, negative
             extra: Dict[str, Any] = {}
-            ctx = _randn(gen, 1, tokens, context_dim)
+            ctx = torch.randn((1, tokens, context_dim), generator=gen, dtype=torch.float32)
             if pooled_dim is not None:
-                extra["pooled_output"] = _randn(gen, 1, pooled_dim)
+                extra["pooled_output"] = torch.randn((1, pooled_dim), generator=gen, dtype=torch.float32)
             if guidance is not None:
                 extra["guidance"] = guidance
             if attention_mask:  # LTXV's T5 encoder hands one over; integer, as the model expects
@@ -249,27 +245,21 @@ def sample(patcher, latent: "torch.Tensor | Sequence[int] | None" = None, seed: 
            cfg: float = 2.0, sampler_name: str = "euler", scheduler: str = "simple", denoise: float = 1.0,
            family: Optional[str] = None, callback=None) -> torch.Tensor:
     """Run ``comfy.sample.sample`` (what KSampler does, minus the node) and return the output latent tensor.
-
-    ``latent``: a tensor (the starting latent, usually zeros), a shape, or None for the family's
-    ``latent_shape`` of zeros. ``positive``/``negative`` default to ``TINY_FAMILIES[family].conditioning(seed)``.
-    Noise comes from ``comfy.sample.prepare_noise(latent, seed)``, as in the KSampler node. ``cfg`` defaults to 2.0
-    so both cond and uncond run (cfg == 1.0 makes ComfyUI skip the negative). ``family`` defaults to the one that
-    built ``patcher`` (see :func:`block_lists`).
-    """
+    ``latent`` (a tensor, a shape, or None: the family's ``latent_shape``, zeros) and ``positive``/``negative`` (the
+    family's conditioning from ``seed``) default from ``family``, the one that built ``patcher`` unless given. Noise
+    comes from ``comfy.sample.prepare_noise(latent, seed)``, as in the KSampler node; ``cfg`` 2.0 runs both cond
+    and uncond (at 1.0 ComfyUI skips the negative)."""
     env = import_comfyui()
     family = family or _family_of(patcher)
-    if latent is None or not isinstance(latent, torch.Tensor):
-        if latent is None:
-            if family is None:
-                raise ValueError("sample(): pass latent= for a model that is not a tiny family")
-            latent = TINY_FAMILIES[family].latent_shape
+    if family is None and (latent is None or positive is None or negative is None):
+        raise ValueError("sample(): pass latent=, positive= and negative= for a model that is not a tiny family")
+    if latent is None:
+        latent = TINY_FAMILIES[family].latent_shape
+    if not isinstance(latent, torch.Tensor):
         latent = torch.zeros(tuple(latent), dtype=torch.float32)
     if positive is None or negative is None:
-        if family is None:
-            raise ValueError("sample(): pass positive= and negative= for a model that is not a tiny family")
         pos, neg = TINY_FAMILIES[family].conditioning(seed)
-        positive = pos if positive is None else positive
-        negative = neg if negative is None else negative
+        positive, negative = pos if positive is None else positive, neg if negative is None else negative
     latent = env.sample.fix_empty_latent_channels(patcher, latent)
     noise = env.sample.prepare_noise(latent, seed)
     return env.sample.sample(
