@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import List, Optional
@@ -35,46 +36,10 @@ TABLE_BEGIN, TABLE_END = "<!-- devtools/make_workflows.py: memory table -->", "<
 PLANS = memory.load_plans()
 GB = 10**9
 
-HOW_TO = """## Layerwise Offload: how many blocks stay in VRAM
-
-The **Layerwise Offload (DiT)** node keeps the first `resident_layers` transformer blocks on the GPU and streams
-the others from system RAM (those that do not fit in RAM from disk: `host_store = auto`) while sampling,
-`prefetch_size` blocks ahead. More resident blocks = faster (fewer bytes cross PCIe at each step); fewer = less
-VRAM.
-
-This workflow starts with `-1` (auto): at the first step of each run the node keeps as many blocks as fit in the
-VRAM free then, after room for the activations of this resolution. The counts below are what auto picks on each
-card size for this workflow (the node's own planner; README, "Which card needs what"): set one as a fixed
-`resident_layers` to start from, lower it by a few if sampling runs out of memory, raise it if VRAM is left.
-`0` streams every block; a count at or above the number of blocks keeps the whole model resident.
-
-After a run, the **Layerwise Offload Stats** node shows which blocks were resident and which streamed, the VRAM
-and RAM used, and how the copy time compares with the compute time. `pin_memory` (on) makes copies fast and
-asynchronous; turn it off only if the system runs short of RAM.
-
-"""
-
-TINY_DEMO_NOTE = """## A tiny demo: Layerwise Offload on a 19 MB random Wan 2.1
-
-**First, once:** in a terminal, from this pack's folder, with the Python that runs your ComfyUI:
-
-    cd ComfyUI/custom_nodes/layerwise-offload
-    python demo/install_tiny_demo.py
-
-It writes the three files this graph loads into that ComfyUI (no restart needed):
-`layerwise_offload_tiny_wan21.safetensors` (models/diffusion_models: a Wan 2.1 T2V with 4 blocks, random
-weights), `layerwise_offload_tiny_wan21_vae.safetensors` (models/vae) and `layerwise_offload_tiny_wan21_cond/`
-(one saved conditioning, in datasets/ or output/: where this ComfyUI's core node *Load Training Dataset* reads
-it. A real Wan needs the 5.7B UMT5-XXL text encoder, so that node loads a saved one instead, and
-*ConditioningZeroOut* makes the negative).
-
-Then press Run. It takes seconds on any NVIDIA GPU; elsewhere (CPU, Apple, Intel) the node passes the model
-through unchanged and the Stats node says so. The pictures are noise (random weights). Auto (`-1`) keeps all
-4 blocks on a roomy card: set `resident_layers` to 2 (2 resident, 2 streamed), 0, or `residency_policy =
-strided` and run again; the *Layerwise Offload Stats* node shows what each run did. The saved latent
-(output/layerwise_offload/) is bitwise the same as the graph without the offload node (bypass it with Ctrl+B
-and run again to compare).
-"""
+#: The notes' text by section (devtools/template_notes.md): how_to, tiny_demo and one per template key.
+_PARTS = re.split(r"^<!-- (\w+) -->\n", Path(__file__).with_name("template_notes.md").read_text(encoding="utf-8"),
+                  flags=re.M)
+NOTES = {name: body.strip("\n") + "\n" for name, body in zip(_PARTS[1::2], _PARTS[2::2])}
 
 
 # --------------------------------------------------------------------------------------------- numbers in words
@@ -82,8 +47,9 @@ def plan_note(key: str, setting: str) -> str:
     """The note's block sizes, per-card counts and RAM for the template ``key``."""
     t = memory.plan_for(PLANS, key)
     groups = [(len(list(run)), size) for size, run in itertools.groupby(round(b / GB, 2) for b in t["block_bytes"])]
+    blocks = ", then ".join(f"{n} of {size:.2f} GB" for n, size in groups)
     blocks = (f"{groups[0][0]} blocks of {groups[0][1]:.2f} GB" if len(groups) == 1 else
-              f"{len(t['block_bytes'])} blocks in call order: " + ", then ".join(f"{n} of {s:.2f} GB" for n, s in groups))
+              f"{len(t['block_bytes'])} blocks in call order: {blocks}")
     per = " per expert" if t["experts"] > 1 else ""
     counts = ", ".join(f"{c} GB: {'0*' if r is None else r}" for c, r in zip(PLANS["cards_gib"], t["resident"]))
     text = (f"{blocks}{per}. **Auto keeps resident at {setting}**{per}: {counts} "
@@ -135,7 +101,8 @@ def readme_with_table(text: str) -> str:
     if TABLE_BEGIN not in text or TABLE_END not in text:
         raise ValueError(f"README.md lacks the markers {TABLE_BEGIN} ... {TABLE_END}")
     head, rest = text.split(TABLE_BEGIN, 1)
-    return f"{head}{TABLE_BEGIN}\n" + "\n".join(memory.markdown_table(PLANS)) + f"\n{TABLE_END}" + rest.split(TABLE_END, 1)[1]
+    table = "\n".join(memory.markdown_table(PLANS))
+    return f"{head}{TABLE_BEGIN}\n{table}\n{TABLE_END}" + rest.split(TABLE_END, 1)[1]
 
 
 # --------------------------------------------------------------------------------------------------- workflows
@@ -168,8 +135,11 @@ def prompts(g: Graph, x: int, y: int, positive: str, negative: str, negative_hei
     g.add("neg", "CLIPTextEncode", (x, y + 206), (width, negative_height), negative, title=NEGATIVE)
 
 
-def note(g: Graph, height: int, model_section: str, width: int = 400) -> None:
-    g.add("note", "MarkdownNote", (0, 0), (width, height), HOW_TO + model_section)
+def note(g: Graph, height: int, key: str, setting: str, width: int = 400) -> None:
+    """The note of a real-model template: how to choose ``resident_layers``, then its own section with the plan
+    for ``setting`` (the resolution) in place of ``{plan}``."""
+    text = NOTES["how_to"] + "\n" + NOTES[key].replace("{plan}", plan_note(key, setting))
+    g.add("note", "MarkdownNote", (0, 0), (width, height), text)
 
 
 def flux1_dev(g: Graph) -> None:
@@ -189,13 +159,7 @@ def flux1_dev(g: Graph) -> None:
     g.link("unet>off.model off>ks.model clip>pos.clip pos>guid.conditioning guid>ks.positive pos>neg.conditioning "
            "neg>ks.negative lat>ks.latent_image ks>dec.samples vae>dec.vae dec>save.images")
     stats(g, (A, 628), "off", "ks")
-    note(g, 864, f"""### Flux.1 [dev] (bf16)
-
-{plan_note("flux1_dev", "1024x1024")}
-
-Files: `flux1-dev.safetensors` in models/diffusion_models, `clip_l.safetensors` and `t5xxl_fp16.safetensors` in
-models/text_encoders, `ae.safetensors` in models/vae.
-""")
+    note(g, 864, "flux1_dev", "1024x1024")
 
 
 def wan21_t2v_14b(g: Graph) -> None:
@@ -212,17 +176,10 @@ def wan21_t2v_14b(g: Graph) -> None:
           "default")
     g.link(ONE_MODEL_LINKS)
     stats(g, (A, 604), "off", "ks")
-    note(g, 840, f"""### Wan 2.1 T2V 14B (bf16)
-
-{plan_note("wan21_t2v_14b", "832x480, 33 frames")}
-
-Files: `wan2.1_t2v_14B_bf16.safetensors` in models/diffusion_models, `umt5_xxl_fp8_e4m3fn_scaled.safetensors` in
-models/text_encoders, `wan_2.1_vae.safetensors` in models/vae.
-""")
+    note(g, 840, "wan21_t2v_14b", "832x480, 33 frames")
 
 
-#: QuantStack's Q4_K_M files for ComfyUI-GGUF (folders HighNoise/ and LowNoise/ of the repository), by expert.
-WAN22_GGUF_REPO = "https://huggingface.co/QuantStack/Wan2.2-T2V-A14B-GGUF"
+#: QuantStack's Q4_K_M files for ComfyUI-GGUF (https://huggingface.co/QuantStack/Wan2.2-T2V-A14B-GGUF), by expert.
 WAN22_GGUF_FILES = {"high": "Wan2.2-T2V-A14B-HighNoise-Q4_K_M.gguf", "low": "Wan2.2-T2V-A14B-LowNoise-Q4_K_M.gguf"}
 
 
@@ -259,40 +216,7 @@ def wan22_t2v_a14b(g: Graph, quant: str = "fp16") -> None:
     stats(g, (b, 524), "off_hi", "ks_hi", title="Layerwise Offload Stats (high noise)")
     stats(g, (b, 816), "off_lo", "ks_lo", title="Layerwise Offload Stats (low noise)")
     key = {"fp16": "wan22_t2v_a14b", "fp8_scaled": "wan22_t2v_a14b_fp8", "gguf": "wan22_t2v_a14b_gguf"}[quant]
-    plan = plan_note(key, "640x640, 81 frames")
-    others = ("`umt5_xxl_fp8_e4m3fn_scaled.safetensors` in models/text_encoders,\n`wan_2.1_vae.safetensors` in "
-              "models/vae.\n")
-    if quant == "gguf":
-        return note(g, 1052, f"""### Wan 2.2 T2V A14B, GGUF Q4_K_M (two experts)
-
-**Needs city96's ComfyUI-GGUF** custom nodes (the *Unet Loader (GGUF)* nodes): install "ComfyUI-GGUF" from
-ComfyUI Manager, or `git clone https://github.com/city96/ComfyUI-GGUF` into ComfyUI/custom_nodes and
-`pip install gguf` with ComfyUI's Python, then restart ComfyUI. Without it the two loaders show as missing nodes.
-
-In Q4_K_M a block is about a third of its fp16 size, and the offload streams it at that size (ComfyUI-GGUF
-dequantizes it on the GPU as it runs), so auto keeps about three times as many blocks resident as with fp16.
-Other quantizations of the same repository (Q8_0, Q5_K_M, ...) work the same way: pick them in the loaders.
-
-{plan}
-
-Files: `{WAN22_GGUF_FILES["high"]}` (folder HighNoise) and `{WAN22_GGUF_FILES["low"]}`
-(folder LowNoise) from {WAN22_GGUF_REPO} in **models/unet** or models/diffusion_models (ComfyUI-GGUF lists
-the .gguf files of both), {others}""", width=420)
-    heading = {"fp16": """### Wan 2.2 T2V A14B (two fp16 experts)
-
-The experts run one after the other (high noise for steps 0-10, low noise for 10-20), each through its own
-Layerwise Offload node, so `resident_layers` is for ONE expert: when the low-noise expert needs the room,
-ComfyUI unloads the high-noise one (its resident blocks included).""",
-               "fp8_scaled": """### Wan 2.2 T2V A14B, fp8 (two experts)
-
-ComfyUI's fp8 "scaled" files: each block is half its fp16 size, and the offload streams it at that size, so
-auto keeps about twice as many blocks resident as with fp16."""}[quant]
-    note(g, 1052, f"""{heading}
-
-{plan}
-
-Files: `wan2.2_t2v_high_noise_14B_{quant}.safetensors` and `wan2.2_t2v_low_noise_14B_{quant}.safetensors` in
-models/diffusion_models, {others}""", width=420)
+    note(g, 1052, key, "640x640, 81 frames", width=420)
 
 
 def qwen_image(g: Graph) -> None:
@@ -310,14 +234,7 @@ def qwen_image(g: Graph) -> None:
     g.add("save", "SaveImage", (C, 400), (320, 340), "layerwise_offload/qwen_image")
     g.link(ONE_MODEL_LINKS)
     stats(g, (A, 604), "off", "ks")
-    note(g, 840, f"""### Qwen-Image (fp8 e4m3fn)
-
-{plan_note("qwen_image", "1328x1328")}
-For reference, SGLang measured 34 of 60 resident blocks at 1.67x the speed of streaming all of them (RTX 5090).
-
-Files: `qwen_image_fp8_e4m3fn.safetensors` in models/diffusion_models, `qwen_2.5_vl_7b_fp8_scaled.safetensors` in
-models/text_encoders, `qwen_image_vae.safetensors` in models/vae.
-""")
+    note(g, 840, "qwen_image", "1328x1328")
 
 
 def hunyuan_video(g: Graph) -> None:
@@ -343,14 +260,7 @@ def hunyuan_video(g: Graph) -> None:
            "guid>guider.conditioning noise>sca.noise guider>sca.guider sampler>sca.sampler sched>sca.sigmas "
            "lat>sca.latent_image sca>dec.samples vae>dec.vae dec>save.images")
     stats(g, (A, 628), "off", "sca")
-    note(g, 928, f"""### HunyuanVideo T2V 720p (bf16)
-
-{plan_note("hunyuan_video", "848x480, 73 frames with `prefetch_size = 2`")}
-Lower `tile_size` in VAE Decode (Tiled) if decoding runs out of memory.
-
-Files: `hunyuan_video_t2v_720p_bf16.safetensors` in models/diffusion_models, `clip_l.safetensors` and
-`llava_llama3_fp8_scaled.safetensors` in models/text_encoders, `hunyuan_video_vae_bf16.safetensors` in models/vae.
-""")
+    note(g, 928, "hunyuan_video", "848x480, 73 frames with `prefetch_size = 2`")
 
 
 def tiny_demo(g: Graph) -> None:
@@ -370,7 +280,7 @@ def tiny_demo(g: Graph) -> None:
     g.link("unet>off.model off>ms.model ms>ks.model data:1>ks.positive data:1>neg.conditioning neg>ks.negative "
            "lat>ks.latent_image ks>save_lat.samples ks>dec.samples vae>dec.vae dec>save.images")
     stats(g, (b, 470), "off", "ks")
-    g.add("note", "MarkdownNote", (0, 0), (400, 876), TINY_DEMO_NOTE)
+    g.add("note", "MarkdownNote", (0, 0), (400, 876), NOTES["tiny_demo"])
 
 
 # (planner key, file title, card title, card subtitle, builder). ComfyUI's template browser (frontends 1.32 to
