@@ -143,6 +143,23 @@ def test_a_dit_twice_its_memory_allowance_runs_from_the_file_and_ram_is_refused(
           f"2 loopback slots {2 * figures['block'] / MiB:.0f} MiB)")
     assert rss - rss_before <= allowed, f"RSS grew {(rss - rss_before) / MiB:.0f} MiB, allowed {allowed / MiB:.0f}"
 
+    # The node at its defaults (resident_layers auto, residency_policy auto, host_store auto): the loopback plans its
+    # "VRAM" from what the cgroup leaves, as a GPU of that size would, so it never keeps more resident than fits.
+    unload_everything(server)
+    drop_page_cache(path)
+    cgroup.reset_peak()
+    try:
+        defaults = {"resident_layers": -1, "prefetch_size": 1, "residency_policy": "auto", "host_store": "auto"}
+        entry = server.run_prompt(loader_prompt("bigload/defaults", defaults), timeout=600)
+    finally:
+        peak = cgroup.peak()
+    assert torch.equal(saved_latent(server, entry), got)
+    log = server.log_text()
+    plan = re.findall(r"auto plan: (\d+)/(\d+) blocks resident", log)
+    print(f"[layerwise-offload] the node's defaults: peak {peak / MiB:.0f} MiB of {limit / MiB:.0f}; auto plan "
+          f"{plan[-1][0] if plan else '?'} of {plan[-1][1] if plan else '?'} blocks resident")
+    assert plan and peak <= limit, server.log_tail(30)
+
     # host_store = ram cannot fit: refused at the node with the message naming the fix, the server keeps serving.
     unload_everything(server)
     with pytest.raises(PromptFailed) as failed:
