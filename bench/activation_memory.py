@@ -286,36 +286,42 @@ def block_lists(model):
     return discover_blocks(model).blocks
 
 
+def meta_forward(model, spec, latent, batch: int, dtype: torch.dtype, attention, mode, enter, leave):
+    """One forward of ``model`` (``spec``'s, built on the meta device) under ``mode`` (a dispatch or counting mode),
+    ComfyUI's attention replaced by ``attention`` and ``enter(i)`` / ``leave(i)`` around block i; its blocks."""
+    blocks = block_lists(model)
+    handles = [h for i, b in enumerate(blocks) for h in (b.register_forward_pre_hook(lambda m, a, i=i: enter(i)),
+                                                          b.register_forward_hook(lambda m, a, o, i=i: leave(i)))]
+    try:
+        with torch.no_grad(), torch.device("meta"), attention_replaced(attention), mode:
+            x = torch.empty((batch,) + tuple(latent), dtype=dtype)
+            model(x, **spec.inputs(x, batch, dtype), transformer_options={})
+    finally:
+        for handle in handles:
+            handle.remove()
+    return blocks
+
+
 def measure_meta(spec, case, batch: int, dtype: torch.dtype) -> dict:
     from ..offload import block_width
     model = spec.build(dtype).eval()
-    blocks = block_lists(model)
     calls = []
     tracker = LiveBytes()
     tracker.ignore(model)
     block_peak = block_entry = 0
 
-    def enter(module, args):
+    def enter(i):
         nonlocal block_entry
         tracker.in_block = True
         block_entry = max(block_entry, tracker.live)
         tracker.reset_window()
 
-    def leave(module, args, output):
+    def leave(i):
         nonlocal block_peak
         tracker.in_block = False
         block_peak = max(block_peak, tracker.window_peak)
 
-    handles = [h for b in blocks for h in (b.register_forward_pre_hook(enter), b.register_forward_hook(leave))]
-    try:
-        with torch.no_grad(), torch.device("meta"), attention_replaced(flash_like_attention(calls)), tracker:
-            x = torch.empty((batch,) + tuple(case.latent), dtype=dtype)
-            kwargs = spec.inputs(x, batch, dtype)
-            out = model(x, **kwargs, transformer_options={})
-            del out
-    finally:
-        for handle in handles:
-            handle.remove()
+    blocks = meta_forward(model, spec, case.latent, batch, dtype, flash_like_attention(calls), tracker, enter, leave)
     latent_bytes = batch * math.prod(case.latent) * dtype.itemsize
     forward_peak = tracker.peak
     return dict(latent_channels=case.latent[0], tokens=math.prod(case.latent[1:]) // spec.patch_area,

@@ -379,7 +379,7 @@ def disk(args, device: torch.device) -> dict:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {"engine": engine, "host-ram": host_ram, "disk": disk}
-    if not argv or argv[0] not in commands:
+    if not argv or argv[0] not in (*commands, "-h", "--help"):
         argv.insert(0, "engine")  # `bench_engine.py [--device ...]`: the hook and copy benchmarks
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)

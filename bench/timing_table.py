@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from . import dit_presets  # noqa: E402
-from .activation_memory import FAMILIES, attention_replaced, block_lists, flash_like_attention  # noqa: E402
+from .activation_memory import FAMILIES, flash_like_attention, meta_forward  # noqa: E402
 from .measure import RESULTS  # noqa: E402
 from ..devtools import comfy_env, template_memory  # noqa: E402
 from ..offload import Schedule, choose_resident_blocks, planner  # noqa: E402
@@ -80,8 +80,6 @@ class TemplateCosts:
 
 def count_flops(spec, latent: Sequence[int], batch: int):
     """(FLOPs of each block of the one-block-per-list model, whole forward's FLOPs, the blocks, attention calls)."""
-    model = spec.build(torch.bfloat16).eval()
-    blocks = block_lists(model)
     calls: List[int] = []
     flash = flash_like_attention(calls)
     attention_flops = [0.0]
@@ -100,32 +98,17 @@ def count_flops(spec, latent: Sequence[int], batch: int):
                      skip_output_reshape=skip_output_reshape, **kwargs)
 
     counter = FlopCounterMode(display=False)
-    per_block = [0.0] * len(blocks)
-    marks = {}
+    marks, per_block = {}, Counter()
 
     def total():
         return counter.get_total_flops() + attention_flops[0]
 
-    def enter(index):
-        def hook(module, args):
-            marks[index] = total()
-        return hook
+    def leave(i):
+        per_block[i] += total() - marks.pop(i)
 
-    def leave(index):
-        def hook(module, args, output):
-            per_block[index] += total() - marks.pop(index)
-        return hook
-
-    handles = [h for i, b in enumerate(blocks)
-               for h in (b.register_forward_pre_hook(enter(i)), b.register_forward_hook(leave(i)))]
-    try:
-        with torch.no_grad(), torch.device("meta"), attention_replaced(attention), counter:
-            x = torch.empty((batch,) + tuple(latent), dtype=torch.bfloat16)
-            model(x, **spec.inputs(x, batch, torch.bfloat16), transformer_options={})
-    finally:
-        for h in handles:
-            h.remove()
-    return per_block, total(), blocks, len(calls)
+    blocks = meta_forward(spec.build(torch.bfloat16).eval(), spec, latent, batch, torch.bfloat16, attention, counter,
+                          lambda i: marks.__setitem__(i, total()), leave)
+    return [float(per_block[i]) for i in range(len(blocks))], total(), blocks, len(calls)
 
 
 def shape_estimate(block, tokens: int, batch: int = 1) -> float:
