@@ -31,8 +31,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 AIMDO_BEFORE_TORCH = None
 if __name__ == "__main__":  # run by path: the pack registered as `layerwise_offload`, so the relative imports work
     import runpy
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["import_pack_modules"]()
-    __package__ = "layerwise_offload.bench"
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["enter_pack"](globals())
     if sys.argv[1:2] == ["dynamic"]:
         # ComfyUI's cuda_malloc.py loads aimdo's library before anything imports torch; so does the dynamic step.
         import comfy_aimdo.control

@@ -1,8 +1,9 @@
 """Measuring code the benchmarks share: clocks, host-to-device copy timing, ComfyUI's own partial loading driven
 and counted, the offload plans' byte accounting, and the small helpers every entry point needs.
 
-An entry point run by path registers the pack (devtools/comfy_env.py) as the package ``layerwise_offload``, never
-the repository root on sys.path (its nodes/ would shadow ComfyUI's), and imports the rest relative to it."""
+An entry point run by path starts with devtools/comfy_env.py's ``enter_pack``: the pack is registered as the package
+``layerwise_offload`` (never the repository root on sys.path: its nodes/ would shadow ComfyUI's), so relative imports
+work."""
 
 from __future__ import annotations
 

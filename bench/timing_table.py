@@ -35,8 +35,7 @@ from typing import Dict, List, Sequence, Tuple
 
 if __name__ == "__main__":  # run by path: the pack registered as `layerwise_offload`, so the relative imports work
     import runpy
-    runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["import_pack_modules"]()
-    __package__ = "layerwise_offload.bench"
+    runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["enter_pack"](globals())
 
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
