@@ -159,7 +159,8 @@ def _is_current(path: Path, want: str) -> bool:
         return False
 
 
-def _replace(path: Path, write) -> None:
+def write_atomically(path: Path, write) -> None:
+    """``write(tmp)`` a file beside ``path``, then put it in place (a reader never sees half a file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
@@ -190,15 +191,15 @@ def install(models_dir: "os.PathLike | str", output_dir: "os.PathLike | str | No
     for kind, (path, what) in jobs.items():
         if force or not _is_current(path, stamp):
             sd = random_weights(specs[kind], seed)
-            _replace(path, lambda tmp: safetensors.torch.save_file(
+            write_atomically(path, lambda tmp: safetensors.torch.save_file(
                 sd, str(tmp), metadata={"layerwise_offload": what, _RECIPE_KEY: stamp}))
         out[kind] = str(path)
     for key, parent in (("cond", output_dir), ("cond_dataset", datasets_dir)):
         if parent is None:
             continue
         folder = Path(parent) / COND_FOLDER
-        _replace(folder / "shard_00000.pkl", lambda tmp: torch.save(conditioning(seed), str(tmp)))
-        _replace(folder / "metadata.json",
+        write_atomically(folder / "shard_00000.pkl", lambda tmp: torch.save(conditioning(seed), str(tmp)))
+        write_atomically(folder / "metadata.json",
                  lambda tmp: tmp.write_text(json.dumps(COND_METADATA, indent=2) + "\n", encoding="utf-8"))
         out[key] = str(folder)
     return out

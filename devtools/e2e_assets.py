@@ -44,18 +44,6 @@ VAE_CONFIG = dict(dim=8, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn
                   temperal_downsample=[False, True, True], dropout=0.0)
 
 
-def _save(sd: Dict[str, torch.Tensor], path: Path, what: str) -> str:
-    import safetensors.torch
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # several test runs may write at once
-    sd = {k: v.detach().to("cpu").contiguous() for k, v in sd.items()}
-    safetensors.torch.save_file(sd, str(tmp), metadata={"layerwise_offload": what})
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
-    return str(path)
-
-
 def build_tiny_wan21_vae(seed: int = 0) -> torch.nn.Module:
     """The tiny Wan 2.1 VAE from ComfyUI's own class (real width 96; latent 16 channels, x8 spatial, x4
     temporal, like the real one), filled like the tiny DiTs. ``VAELoader`` reads the width from
@@ -85,12 +73,13 @@ def comfyui_tensor_specs() -> Dict[str, list]:
 
 def save_tiny_sd15_unet(path: "os.PathLike | str", seed: int = 0) -> str:
     """The tiny SD1.5-family UNet (devtools/tiny_unet.py: not a DiT) as a file ``UNETLoader`` detects as SD15."""
+    import safetensors.torch
+
     unet = build_tiny_sd15(seed).model.diffusion_model
-    return _save(unet.state_dict(), Path(path), "tiny SD1.5-family UNet (not a DiT)")
-
-
-def _stamp(seed: int) -> str:
-    return hashlib.sha256(Path(__file__).read_bytes() + f"{seed}".encode()).hexdigest()[:16]
+    sd = {k: v.detach().to("cpu").contiguous() for k, v in unet.state_dict().items()}
+    demo.write_atomically(Path(path), lambda tmp: safetensors.torch.save_file(  # several test runs may write at once
+        sd, str(tmp), metadata={"layerwise_offload": "tiny SD1.5-family UNet (not a DiT)"}))
+    return str(path)
 
 
 def install_demo_assets(models_dir: "os.PathLike | str", output_dir: "os.PathLike | str | None", seed: int = 0,
@@ -104,12 +93,11 @@ def install_demo_assets(models_dir: "os.PathLike | str", output_dir: "os.PathLik
     out = demo.install(models_dir, output_dir, seed=seed, force=force, datasets_dir=datasets_dir)
     if with_sd15:
         path = Path(models_dir) / "diffusion_models" / TINY_SD15_UNET_NAME
-        stamp, stamp_file = _stamp(seed), path.with_name(path.name + ".stamp")
+        stamp = hashlib.sha256(Path(__file__).read_bytes() + f"{seed}".encode()).hexdigest()[:16]
+        stamp_file = path.with_name(path.name + ".stamp")
         if force or not path.is_file() or not stamp_file.is_file() or stamp_file.read_text() != stamp:
             save_tiny_sd15_unet(path, seed=seed)
-            tmp = stamp_file.with_name(f"{stamp_file.name}.{os.getpid()}.tmp")
-            tmp.write_text(stamp)
-            os.replace(tmp, stamp_file)
+            demo.write_atomically(stamp_file, lambda tmp: tmp.write_text(stamp))
         out["sd15"] = str(path)
     return out
 
