@@ -1,11 +1,10 @@
-"""Write the templates in ``workflows/`` (UI-format workflows, their card pictures) and the README's memory table.
+"""Write the templates in ``workflows/`` (UI-format workflows and their card pictures) and the README's memory table.
 
 The templates follow ComfyUI's own (comfyui-workflow-templates 0.7.25: flux_dev_full_text_to_image,
 text_to_video_wan, video_wan2_2_14B_t2v, image_qwen_image, hunyuan_video_text_to_video) with a ``LayerwiseOffload``
-node after the diffusion-model loader, and share one layout and one explanation of ``resident_layers``. Their
-notes, file names, pictures (devtools/template_cards.py) and the README table all come from one planner run,
-devtools/template_plans.json (devtools/template_memory.py --write). tests/e2e/test_workflows.py checks every file
-against the live ``/object_info``, so a workflow edited in the UI may also be saved over its file.
+node after the diffusion-model loader. Their notes (devtools/template_notes.md), file names, pictures
+(devtools/template_cards.py) and the README table all come from one planner run, devtools/template_plans.json
+(written by devtools/template_memory.py --write).
 
     .venv/bin/python -P devtools/make_workflows.py            # rewrite workflows/ and the README table
     .venv/bin/python -P devtools/make_workflows.py --check    # exit 1 if a file differs from what it would write
@@ -305,12 +304,6 @@ TEMPLATES = [
 ]
 
 
-def render(key: Optional[str], build) -> str:
-    g = Graph(key or "tiny_wan21_demo")
-    build(g)
-    return json.dumps(g.to_json(), indent=2, ensure_ascii=False) + "\n"
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="only compare; exit 1 if a file would change")
@@ -320,8 +313,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     writes, wanted = {}, set()  # file name -> what writes it
     for key, title, card_title, subtitle, build in TEMPLATES:
-        path = out / file_name(key, title)
-        picture, spec, text = path.with_suffix(".jpg"), card_spec(key, card_title, subtitle), render(key, build)
+        path, g = out / file_name(key, title), Graph(key or "tiny_wan21_demo")
+        build(g)
+        picture, spec = path.with_suffix(".jpg"), card_spec(key, card_title, subtitle)
+        text = json.dumps(g.to_json(), indent=2, ensure_ascii=False) + "\n"
         wanted |= {path.name, picture.name}
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
             writes[path.name] = lambda path=path, text=text: path.write_text(text, encoding="utf-8")

@@ -1,21 +1,18 @@
 """One planner run for every shipped template: the DiT's bytes, the system RAM it needs, and the resident count
-that ``resident_layers = -1`` (auto) picks on 8/12/16/24 GB cards. The README's memory table, each template's
-note and its card picture are all written from this run's file, ``devtools/template_plans.json``
-(devtools/make_workflows.py renders them; tests/e2e/test_workflows.py fails when any of them drifts).
+that ``resident_layers = -1`` (auto) picks on 8/12/16/24 GB cards, written to ``devtools/template_plans.json``:
+the README's memory table, each template's note and card picture come from it (devtools/make_workflows.py;
+tests/e2e/test_workflows.py fails when any of them drifts).
 
-Block sizes come from ComfyUI's own model classes at their released size, built on the ``meta`` device (no
-memory, no files), in the dtype of the file each template loads. The choice is made by the planner the node uses
-(``offload/planner.py``: ``plan_residency`` with ``forward_activation_bytes``), fed as the node feeds it at the
-first step: free VRAM after the non-block weights, ComfyUI's reserve (``minimum_inference_memory``: 0.8 GiB +
-0.4 GiB on Linux), and the measured activation model for the template's latent (batch 2 when CFG runs cond and
-uncond).
+Block sizes come from ComfyUI's own model classes at their released size, built on the ``meta`` device, in the
+dtype of the file each template loads. The count is the node's own planner's (``offload/planner.py``), fed as the
+node feeds it at the first step: free VRAM after the non-block weights, ComfyUI's reserve
+(``minimum_inference_memory``: 0.8 GiB + 0.4 GiB on Linux), and the activation model for the template's latent
+(batch 2 when CFG runs cond and uncond). Assumptions: the desktop and CUDA context take 0.5 GiB of the card, the
+text encoder and VAE files have their published sizes, ComfyUI and Python take about 3 GB of RAM.
 
     .venv/bin/python -P devtools/template_memory.py            # Markdown table of a fresh run
     .venv/bin/python -P devtools/template_memory.py --write    # ... and rewrite devtools/template_plans.json
     .venv/bin/python -P devtools/template_memory.py --cards 10,20
-
-Assumptions, printed under the table: the desktop and CUDA context take 0.5 GiB of the card; the text encoder
-and VAE file sizes are the published ones; ComfyUI and Python take about 3 GB of RAM on top of the weights.
 """
 
 from __future__ import annotations
@@ -82,13 +79,6 @@ def _templates(presets) -> List[Template]:
     ]
 
 
-def _import():
-    from .comfy_env import import_comfyui, import_pack_modules
-
-    comfy = import_comfyui(cpu=True, import_nodes=False)
-    return (comfy, *import_pack_modules("offload.planner", "nodes.discovery", "bench.dit_presets"))
-
-
 def _sizes(t: Template, discovery):
     import comfy.supported_models
     import torch
@@ -114,7 +104,10 @@ def _sizes(t: Template, discovery):
 def plan_templates(cards_gb: Sequence[int] = CARDS) -> Dict:
     """Run the planner for every template and card (imports ComfyUI, builds on meta): what template_plans.json
     holds. ``resident`` per card is the count auto keeps, or None where even streaming every block does not fit."""
-    _, planner, discovery, presets = _import()
+    from .comfy_env import import_comfyui, import_pack_modules
+
+    import_comfyui(cpu=True, import_nodes=False)
+    planner, discovery, presets = import_pack_modules("offload.planner", "nodes.discovery", "bench.dit_presets")
     out = []
     for t in _templates(presets):
         blocks, non_block, hidden, model_class = _sizes(t, discovery)
