@@ -5,8 +5,6 @@
 #     executable_path; never `playwright install` (it downloads its own browser, which this network refuses).
 #   - Playwright's Python package (its wheel carries the driver; no browser download) into the venv
 #     (.venv, or the one named by VENV, e.g. VENV=.venv-0.14.1).
-#   - `requests` into .venv: ComfyUI 0.3.75's server imports it (app/frontend_management.py) but its requirements.txt
-#     does not list it (older transformers pulled it in; transformers 5 does not).
 #
 # Environment: SKIP_BROWSER_INSTALL=1 skips Chromium (test_browser.py then skips itself).
 set -euo pipefail
@@ -19,13 +17,10 @@ log() { echo "[layerwise-offload] $*"; }
 [[ -x "$PY" ]] || { echo "[layerwise-offload] ERROR: $PY missing: run scripts/setup_env.sh first" >&2; exit 1; }
 
 # ---------------------------------------------------------------- Python packages
-missing=()
-"$PY" -c "import playwright.sync_api" 2>/dev/null || missing+=(playwright)
-"$PY" -c "import requests" 2>/dev/null || missing+=(requests)
-if [[ ${#missing[@]} -gt 0 ]]; then
-    log "pip install ${missing[*]} into $(basename "$VENV")"
+if ! "$PY" -c "import playwright.sync_api" 2>/dev/null; then
+    log "pip install playwright into $(basename "$VENV")"
     torch_version="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
-    "$PY" -m pip --disable-pip-version-check install -q "${missing[@]}" "torch==$torch_version" \
+    "$PY" -m pip --disable-pip-version-check install -q playwright "torch==$torch_version" \
         2> >(grep -v "is ignored: it is neither a file nor a directory" >&2 || true)
 fi
 

@@ -28,17 +28,13 @@ def distributions_to_link(source: Path, torch_version: str, torchvision_version:
     return sorted(dist_infos)
 
 
-def recorded_files(dist_info: Path) -> list[str]:
-    with open(dist_info / "RECORD", newline="") as f:
-        paths = [row[0] for row in csv.reader(f) if row]
-    return [p for p in paths if not p.startswith("..") and not os.path.isabs(p)]
-
-
 def link_tree(source: Path, target: Path, dist_infos: list[Path], made_tops: set[Path]) -> int:
     """Links every recorded file; `made_tops` collects the top-level entries this call created, for undoing."""
     linked = 0
     for dist_info in dist_infos:
-        for rel in recorded_files(dist_info):
+        with open(dist_info / "RECORD", newline="") as f:
+            recorded = [row[0] for row in csv.reader(f) if row]
+        for rel in (p for p in recorded if not p.startswith("..") and not os.path.isabs(p)):
             src, dst = source / rel, target / rel
             if not src.is_file() or dst.exists():
                 continue

@@ -77,12 +77,6 @@ pip_q() {
     "$PY" -m pip --disable-pip-version-check install -q "$@" \
         2> >(grep -v "is ignored: it is neither a file nor a directory" >&2 || true)
 }
-# ComfyUI 0.3.75's server imports `requests` (app/frontend_management.py) without listing it: older transformers
-# pulled it in, transformers 5 does not.
-if ! "$PY" -c "import requests" 2>/dev/null; then
-    log "pip install requests (ComfyUI's server needs it; its requirements.txt does not list it)"
-    pip_q requests
-fi
 
 # ---------------------------------------------------------------- 2. the pack's own ComfyUI base folder
 BASE="${LAYERWISE_OFFLOAD_RUN_BASE:-$ROOT/.comfyui/run}"
