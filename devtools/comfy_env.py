@@ -1,14 +1,9 @@
 """Find a real ComfyUI and import it in-process, the way tests, demos and benchmarks need it.
 
-Two rules this module enforces:
-
-* ComfyUI has a top-level module called ``nodes`` (and ``utils``, ``server``, ``execution``, ``tests``, ...), and
-  this repository has a ``nodes/`` folder. So the repository root never goes on ``sys.path``; the repository is
-  registered as the package ``layerwise_offload`` (:func:`register_pack`), as ComfyUI itself would import it
-  (a package named after its folder), and ComfyUI's folder goes first on ``sys.path`` (:func:`import_comfyui`).
-* ComfyUI reads its command line at import time (``comfy.cli_args``) and picks its device when
-  ``comfy.model_management`` is first imported. :func:`import_comfyui` turns argument parsing off and sets
-  ``args.cpu`` before that import, so the process never sees pytest's argv and runs on the CPU by default.
+ComfyUI has top-level modules called ``nodes``, ``utils``, ``server``, ... and this repository has a ``nodes/``
+folder, so the repository root never goes on ``sys.path``: the repository is registered as the package
+``layerwise_offload`` (:func:`register_pack`), as ComfyUI itself imports it, and ComfyUI's folder goes first on
+``sys.path`` (:func:`import_comfyui`, which also keeps ComfyUI from parsing pytest's argv and picks the CPU).
 
 This file has no relative imports, so it runs before the package exists. Every entry point (tests/conftest.py,
 a devtools/ file run by path) starts the same way, with :func:`enter_pack`::

@@ -1,14 +1,11 @@
 """ComfyUI's own MODEL-patching nodes, found by walking its node classes, each run with and without the offload.
 
-Every node class of ``comfy_extras`` that takes a MODEL and returns one is a row. Its inputs are filled from the
-node's own declaration (defaults; a second tiny model for a second MODEL input; a ratio at an end of its range
-moved inside it, so a merge really merges), and each small choice (a COMBO option, a flipped BOOLEAN) is a variant
-of its own, so ModelComputeDtype runs as fp32, fp16 and bf16, not only as "default". A node whose inputs cannot be
-made here (a file, a CLIP, a LATENT) or that fails on the model without the offload node is listed with the reason.
-
-Each variant is sampled three ways from fresh tiny models of one family: the node alone (the reference), the node
-before the offload node, and the offload node before it, at a resident count where blocks stream and at one where
-all are resident; the outputs must be bitwise equal. A later ComfyUI's new nodes join the matrix by themselves.
+Every ``comfy_extras`` node class that takes a MODEL and returns one is a row, its inputs filled from its own
+declaration (defaults; a second tiny model for a second MODEL input; a ratio at an end of its range moved inside
+it, so a merge really merges), each small choice (a COMBO option, a flipped BOOLEAN) a variant of its own. A node
+whose inputs cannot be made here (a file, a CLIP, a LATENT) or that fails without the offload node is listed with
+the reason. Each variant is sampled from fresh tiny models: the node alone (the reference), the node before the
+offload node and after it, streamed and all resident; the outputs must be bitwise equal.
 
     python -P devtools/core_model_nodes.py --family wan21     # prints the matrix (with ComfyUI's Python)
 """
@@ -115,17 +112,12 @@ def describe_node(name: str, cls: type) -> CoreNode:
     return node
 
 
-def _is_core(cls) -> bool:
-    # ComfyUI names the modules it loads from comfy_extras/ by their file path.
-    module = (getattr(cls, "__module__", "") or "").replace("\\", "/")
-    return module.startswith("comfy_extras.") or "/comfy_extras/" in module
-
-
 def core_model_nodes() -> List[CoreNode]:
     """Every comfy_extras node class that takes a MODEL and returns a MODEL, in name order."""
     found = []
     for name, cls in sorted(_load_extra_nodes().items()):
-        if not _is_core(cls):
+        module = (getattr(cls, "__module__", "") or "").replace("\\", "/")  # ComfyUI names them by file path
+        if not (module.startswith("comfy_extras.") or "/comfy_extras/" in module):
             continue
         try:
             required = cls.INPUT_TYPES().get("required", {})

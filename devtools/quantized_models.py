@@ -1,14 +1,10 @@
-"""Tiny quantized checkpoints in the formats ComfyUI's loaders turn into tensor-subclass weights.
-
-- :func:`save_tiny_wan21_fp8_mixed`: ComfyUI's "mixed precision" safetensors (fp8 e4m3 block linears, a
-  ``weight_scale`` per layer, the layer list in the ``_quantization_metadata`` header), which
-  ``comfy.sd.load_diffusion_model`` loads as ``QuantizedTensor`` weights (0.3.75 and 0.14.1 alike).
-- :func:`save_tiny_wan21_gguf`: a GGUF file of the same tiny Wan 2.1 for ComfyUI-GGUF's ``UnetLoaderGGUF``, block
-  matrices quantized to Q8_0 / Q4_0 / Q5_0 (or F16) by the ``gguf`` package, everything else float32 (as
-  ComfyUI-GGUF's own convert tool keeps 1-D tensors unquantized).
-
-The weights are those of :func:`.tiny_dits.build_wan21` with the same seed. :func:`save_fp8_mixed` and
-:func:`save_gguf` write any Wan state dict the same way (bench/bench_formats.py: the benchmark presets' blocks).
+"""Tiny quantized checkpoints in the formats ComfyUI's loaders turn into tensor-subclass weights, with the weights
+of :func:`.tiny_dits.build_wan21` (same seed): ComfyUI's "mixed precision" safetensors (fp8 e4m3 block linears, a
+``weight_scale`` per layer, the layer list in the ``_quantization_metadata`` header), which
+``comfy.sd.load_diffusion_model`` loads as ``QuantizedTensor`` weights, and a GGUF file for ComfyUI-GGUF's
+``UnetLoaderGGUF``, block matrices quantized by the ``gguf`` package, everything else float32 (as ComfyUI-GGUF's
+own convert tool keeps 1-D tensors). :func:`save_fp8_mixed` and :func:`save_gguf` write any Wan state dict the
+same way (bench/bench_formats.py: the benchmark presets' blocks).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Start and stop a real ComfyUI server (``python main.py``) with this pack installed, and talk to its HTTP API.
 
-Used by tests/e2e (one server per test session) and devtools/server_cli.py (scripts/run.sh). Nothing here imports
-ComfyUI or torch: the server is a child process, and the API calls use only the standard library.
+Used by tests/e2e and devtools/server_cli.py (scripts/run.sh). Nothing here imports ComfyUI or torch: the server
+is a child process, and the API calls use only the standard library. A server gets its own base directory
+(``--base-directory``: models/, custom_nodes/, input/, output/, temp/ and user/ under it), so tests never touch the
+ComfyUI checkout, with ``custom_nodes/layerwise-offload`` a symlink to the repository; ComfyUI imports the folder
+as a package named after its path, so the repository root never lands on ``sys.path``.
 
-A server gets its own **base directory** (``--base-directory``, supported by ComfyUI 0.3.75: models/, custom_nodes/,
-input/, output/, temp/ and user/ all live under it), so tests never touch the ComfyUI checkout. The pack is
-installed into ``<base>/custom_nodes/layerwise-offload`` as a symlink to the repository (what a developer does;
-ComfyUI Manager makes a git clone, see tests/e2e/test_install.py). ComfyUI imports the folder as a package named
-after its path, so the repository root never lands on ``sys.path``.
-
-    from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
-    base = prepare_base_dir("/tmp/base")                  # custom_nodes/layerwise-offload -> repo
+    base = prepare_base_dir("/tmp/base")
     with ComfyServer(base, cpu=True, env={"LAYERWISE_OFFLOAD_CPU_LOOPBACK": "1"}) as srv:
         entry = srv.run_prompt(prompt)                   # queue, wait for /history, raise on failure
 """

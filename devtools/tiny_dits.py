@@ -1,18 +1,11 @@
 """Tiny random-weight DiTs built from ComfyUI's OWN model classes, for tests, demos and benchmarks on a CPU.
 
-Each builder returns a real ``comfy.model_patcher.ModelPatcher`` (what ``comfy.sd.load_diffusion_model`` returns
-and what a MODEL socket carries), with its weights on ComfyUI's offload device (the CPU), float32, filled from a
-fixed seed: two builds with the same seed are bitwise equal, and four Euler steps take well under a second.
-
-The families (``TINY_FAMILIES``: wan21, flux, qwen_image, hunyuan_video, sd3, lumina2, ltxv) list the block lists
-their diffusion model has, in call order.
-
-The tiny Wan 2.1 has the shapes ComfyUI's detector understands (dim 256 = 2 heads of 128, text_dim 4096, ffn 512),
-so :func:`save_tiny_wan21` writes a ``.safetensors`` file that ``comfy.sd.load_diffusion_model`` loads as Wan 2.1
-t2v, with the same weights as :func:`build_wan21`. The other families use dims that detection would not recover
-(e.g. Flux detection fixes 24 heads), so they exist only in-process.
-
-ComfyUI must be importable: this module calls :func:`.comfy_env.import_comfyui` (CPU mode) on first use.
+Each family (``TINY_FAMILIES``: wan21, flux, qwen_image, hunyuan_video, sd3, lumina2, ltxv) builds a real
+``comfy.model_patcher.ModelPatcher`` (what ``comfy.sd.load_diffusion_model`` returns) with float32 weights on
+ComfyUI's offload device, filled from a fixed seed: two builds with the same seed are bitwise equal, and four Euler
+steps take well under a second. The tiny Wan 2.1 has the shapes ComfyUI's detector understands, so
+:func:`save_tiny_wan21` writes a file that ``comfy.sd.load_diffusion_model`` loads as Wan 2.1 t2v with the same
+weights; the other families use dims detection would not recover, so they exist only in-process.
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from .comfy_env import import_comfyui, with_fields_this_comfyui_needs
 
 Conditioning = List[List[Any]]  # ComfyUI CONDITIONING: [[cross_attn_tensor, {"pooled_output": ..., ...}], ...]
 
-# Dims shared by the tiny text conditionings (real models: 4096 for T5, 3584 for Qwen2.5-VL, 768/2048 pooled).
+# Tokens of the tiny text conditionings.
 TEXT_TOKENS = 8
 
 
@@ -67,13 +60,11 @@ def _build(config_cls_name: str, unet_config: Dict[str, Any], seed: int, dtype: 
     model_config = cfg_cls(unet_config)
     model_config.set_inference_dtype(dtype, None)
 
-    load_device = mm.get_torch_device()
-    offload_device = mm.unet_offload_device()
-    model = model_config.get_model({}, "")
-    model = model.to(offload_device)
+    model = model_config.get_model({}, "").to(mm.unet_offload_device())
     init_tiny_weights(model.diffusion_model, seed, buffers=buffers)
     model.eval()
-    return env.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
+    return env.model_patcher.ModelPatcher(model, load_device=mm.get_torch_device(),
+                                          offload_device=mm.unet_offload_device())
 
 
 #: Wan 2.1 t2v as ComfyUI's detector reads it back from a file: num_heads = dim // 128, text_dim fixed at 4096.

@@ -1,10 +1,7 @@
-"""Check UI-format workflows against a live ``/object_info`` and turn them into API-format prompts.
-
-The frontend turns a saved (UI-format, version 0.4) workflow into the API prompt it POSTs to ``/prompt``; these
-functions do the same for the plain graphs in ``workflows/`` (no subgraphs, no primitive nodes), so tests can run
-a shipped workflow without a browser and can check that it would load without warnings.
-
-Pure Python (no ComfyUI import): ``object_info`` is the JSON that ``GET /api/object_info`` returns.
+"""Check UI-format workflows against a live ``/object_info`` and turn them into the API prompts the frontend would
+POST, for the plain graphs in ``workflows/`` (no subgraphs, no primitive nodes): tests run a shipped workflow
+without a browser and check that it would load without warnings. Pure Python: ``object_info`` is the JSON of
+``GET /api/object_info``.
 """
 
 from __future__ import annotations
