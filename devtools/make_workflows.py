@@ -119,7 +119,7 @@ ONE_MODEL_LINKS = ("unet>off.model off>ms.model ms>ks.model clip>pos.clip clip>n
 
 def offload(g: Graph, name: str, pos, prefetch: int = 1, title: Optional[str] = None) -> None:
     """Every shipped workflow starts in auto mode (-1); the notes give fixed counts for each card size."""
-    g.add(name, NODE_ID, pos, (320, 154), -1, prefetch, "leading", True, "auto", title=title)
+    g.add(name, NODE_ID, pos, (320, 154), -1, prefetch, "auto", True, "auto", title=title)
 
 
 def stats(g: Graph, pos, offload_node: str, sampler: str, title: Optional[str] = None) -> None:
