@@ -48,10 +48,19 @@ from ..offload import Schedule, choose_resident_blocks, planner  # noqa: E402
 from ..offload import timing_model as tm  # noqa: E402
 from ..offload.timing_model import SETTINGS  # noqa: E402
 
-FIELDS = ("GPU", "template", "resident_count", "policy", "prefetch", "predicted_step_ms", "bound_ms", "ratio",
+FIELDS = ("GPU", "template", "resident_count", "policy", "chosen", "prefetch", "predicted_step_ms", "bound_ms", "ratio",
           "copy_idle_ms", "compute_stall_ms", "compute_ms", "copy_ms", "host_ms", "lora", "fits", "auto",
           "device_gib")
-DEFAULT = ("leading", 1)
+BEFORE = ("leading", 1)  # the defaults before residency_policy auto
+
+
+def is_default(row) -> bool:
+    """A row of the node's defaults: residency_policy auto, the setting the timing model chooses at that count."""
+    return row["policy"] == "auto"
+
+
+def is_before(row) -> bool:
+    return (row["policy"], row["prefetch"]) == BEFORE
 WITHIN = 1.05
 LORA_BYTES_PER_WEIGHT = 28
 QUANTIZED_TEMPLATES = ("wan22_t2v_a14b_fp8", "wan22_t2v_a14b_gguf")  # quantized weight objects (host time)
@@ -176,11 +185,19 @@ def rows_for(tc: TemplateCosts, gpu, plans) -> List[dict]:
     rows = []
     for r in range(n + 1):
         variants = [(s, False) for s in SETTINGS] + [((p, 1), True) for p in ("leading", "strided")]
+        # residency_policy auto, as the node runs it: the fastest predicted setting among those that fit the card.
+        fitting = [(policy, prefetch, r) for policy, prefetch in SETTINGS
+                   if Schedule(choose_resident_blocks(n, r, policy)).device_bytes(tc.costs.block_bytes, prefetch)
+                   + fixed <= gpu.vram_bytes]
+        choice = tm.choose_plan(tc.costs, gpu, fitting or [(policy, prefetch, r) for policy, prefetch in SETTINGS])
+        variants.append((("auto", choice.prefetch), False))
         for (policy, prefetch), lora in variants:
             costs = tc.lora_costs if lora else tc.costs
-            p = tm.predict(costs, gpu, r, policy, prefetch)
-            device = Schedule(choose_resident_blocks(n, r, policy)).device_bytes(costs.block_bytes, prefetch) + fixed
-            rows.append(dict(GPU=gpu.name, template=tc.key, resident_count=r, policy=policy, prefetch=prefetch,
+            chosen = choice.policy if policy == "auto" else policy
+            p = choice.prediction if policy == "auto" else tm.predict(costs, gpu, r, policy, prefetch)
+            device = Schedule(choose_resident_blocks(n, r, chosen)).device_bytes(costs.block_bytes, prefetch) + fixed
+            rows.append(dict(GPU=gpu.name, template=tc.key, resident_count=r, policy=policy, chosen=chosen,
+                             prefetch=prefetch,
                              predicted_step_ms=round(p.step_s * 1e3, 2), bound_ms=round(p.bound_s * 1e3, 2),
                              ratio=round(p.ratio, 4), copy_idle_ms=round(p.copy_idle_s * 1e3, 2),
                              compute_stall_ms=round(p.compute_stall_s * 1e3, 2), compute_ms=round(p.compute_s * 1e3, 2),
@@ -202,7 +219,7 @@ def fixes(rows: List[dict]) -> Dict[tuple, dict]:
     order = {s: i for i, s in enumerate(SETTINGS)}
     best: Dict[tuple, dict] = {}
     for row in rows:
-        if row["lora"] or row["ratio"] > WITHIN:
+        if row["lora"] or row["ratio"] > WITHIN or is_default(row):
             continue
         k = _key(row)
         rank = (row["device_gib"], order[(row["policy"], row["prefetch"])])
@@ -232,7 +249,7 @@ def sensitivity(templates: List[TemplateCosts], gpus, plans) -> List[str]:
                     device = Schedule(choose_resident_blocks(n, r, "leading")).device_bytes(tc.costs.block_bytes, 1)
                     if device + fixed > g.vram_bytes:
                         continue
-                    ratio = tm.predict(tc.costs, variant, r, *DEFAULT).ratio
+                    ratio = tm.predict(tc.costs, variant, r, *BEFORE).ratio
                     if ratio > WITHIN:
                         over.append((tc.key, g.name.rsplit(" ", 1)[0]))
                     worst = max(worst, (ratio, f"{tc.key}, {g.name}, r {r}"))
@@ -244,11 +261,17 @@ def sensitivity(templates: List[TemplateCosts], gpus, plans) -> List[str]:
 def headlines(rows: List[dict], templates: List[TemplateCosts], best: Dict[tuple, dict]) -> List[str]:
     """The findings, in numbers read from the rows."""
     plain = [r for r in rows if not r["lora"]]
-    default = [r for r in plain if (r["policy"], r["prefetch"]) == DEFAULT]
+    now = [r for r in plain if is_default(r)]
+    now_over = [r for r in now if r["ratio"] > WITHIN]
+    worst_now = max(now, key=lambda r: r["ratio"])
+    out = [f"- At the defaults (residency_policy auto: the setting the model predicts fastest among those that fit), "
+           f"{len(now_over)} of {len(now)} plans (template x GPU x resident count) predict more than {WITHIN}x the "
+           f"bound; the worst is {worst_now['ratio']:.3f}x ({worst_now['template']}, {worst_now['GPU']}, r "
+           f"{worst_now['resident_count']}, {worst_now['chosen']} {worst_now['prefetch']})."]
+    default = [r for r in plain if is_before(r)]
     over = [r for r in default if r["ratio"] > WITHIN]
-    out = [f"- At the defaults (leading, prefetch 1), {len(over)} of {len(default)} plans (template x GPU x resident "
-           f"count) predict more than {WITHIN}x the bound, {sum(r['fits'] for r in over)} of them plans that fit "
-           "their card:"]
+    out += [f"- Before it (leading, prefetch 1), {len(over)} of {len(default)} plans predicted more than {WITHIN}x "
+            f"the bound, {sum(r['fits'] for r in over)} of them plans that fit their card:"]
     for (template, gpu), n in sorted(Counter((r["template"], r["GPU"]) for r in over).items()):
         mine = [r for r in over if (r["template"], r["GPU"]) == (template, gpu)]
         worst = max(mine, key=lambda r: r["ratio"])
@@ -301,7 +324,7 @@ def same_budget(rows: List[dict]) -> Dict[tuple, List[tuple]]:
     out = {}
     for key, mine in groups.items():
         gains = []
-        for d in (r for r in mine if (r["policy"], r["prefetch"]) == DEFAULT):
+        for d in (r for r in mine if is_before(r)):
             best = min((r for r in mine if r["device_gib"] <= d["device_gib"]),
                        key=lambda r: (r["predicted_step_ms"], r["device_gib"]))
             gains.append((1 - best["predicted_step_ms"] / d["predicted_step_ms"], d["resident_count"], best, d))
@@ -326,7 +349,7 @@ def _ranges(values: List[int]) -> str:
 
 def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path: Path) -> None:
     best = fixes(rows)
-    default = [r for r in rows if (r["policy"], r["prefetch"]) == DEFAULT and not r["lora"]]
+    default = [r for r in rows if is_before(r) and not r["lora"]]
     by = {(_key(r), r["policy"], r["prefetch"], r["lora"]): r for r in rows}
     over = [r for r in default if r["ratio"] > WITHIN]
     lines = [
@@ -397,7 +420,7 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
             f"{' / '.join(f'{s / GB:.2f}' for s in sizes)} | {' / '.join(f'{f / 1e12:.2f}' for f in tc.list_flops)} | "
             f"{' / '.join(f'{f / 1e12:.2f}' for f in tc.list_estimate)} | {tc.costs.outside_flops / 1e12:.2f} | "
             + " | ".join(per_gpu) + " |")
-    lines += ["", "## At the defaults (leading, prefetch 1)", "",
+    lines += ["", "## Before residency_policy auto: leading, prefetch 1", "",
               f"Per template and GPU: the worst ratio over every resident count, the counts above {WITHIN}x, those "
               "of them whose plan fits the card, the ratio at the count auto picks on that card, and the settings "
               f"that bring those counts to <= {WITHIN}x in the model (for each count, the one holding the fewest "
@@ -420,7 +443,7 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
                 fixed += f"; none for r {_ranges(unfixed)}"
             lines.append(f"| {tc.name} | {g.name} | {worst['ratio']:.3f} ({worst['resident_count']}) | "
                          f"{_ranges(bad) or '-'} | {_ranges(bad_fit) or '-'} | {auto_text} | {fixed} |")
-    lines += ["", f"## Every row over {WITHIN}x at the defaults, and its fix", "",
+    lines += ["", f"## Every row over {WITHIN}x at leading, prefetch 1, and its fix", "",
               "`fix`: the setting within 1.05x that holds the fewest device bytes (`+GiB`: its extra device memory "
               "over "
               "the default plan; negative when it holds less); `strided 1` is `strided` at prefetch 1.", "",
@@ -497,20 +520,22 @@ def plot(rows: List[dict], templates: List[TemplateCosts], gpus, path: Path) -> 
 
     fig, axes = plt.subplots(len(templates), len(gpus), figsize=(4.2 * len(gpus), 2.6 * len(templates)),
                              sharey=True, squeeze=False)
-    series = [(("leading", 1), "C3", "leading, prefetch 1 (default)"), (("leading", 2), "C1", "leading, prefetch 2"),
+    series = [(("auto", None), "k", "auto (the default)"), (("leading", 1), "C3", "leading, prefetch 1 (before)"),
+              (("leading", 2), "C1", "leading, prefetch 2"),
               (("strided", 1), "C0", "strided, prefetch 1"), (("strided", 2), "C2", "strided, prefetch 2")]
     for i, tc in enumerate(templates):
         for j, g in enumerate(gpus):
             ax = axes[i][j]
             mine = [r for r in rows if r["template"] == tc.key and r["GPU"] == g.name and not r["lora"]]
             for (setting, color, label) in series:
-                pts = sorted((r["resident_count"], r["ratio"]) for r in mine if (r["policy"], r["prefetch"]) == setting)
+                pts = sorted((r["resident_count"], r["ratio"]) for r in mine if r["policy"] == setting[0]
+                             and (setting[1] is None or r["prefetch"] == setting[1]))
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], color=color, lw=1.2, label=label)
             lora = sorted((r["resident_count"], r["ratio"]) for r in rows if r["template"] == tc.key
                           and r["GPU"] == g.name and r["lora"] and r["policy"] == "leading")
             ax.plot([p[0] for p in lora], [p[1] for p in lora], color="C4", lw=0.8, ls=":",
                     label="leading 1 + LoRA")
-            misfit = [r["resident_count"] for r in mine if (r["policy"], r["prefetch"]) == DEFAULT and not r["fits"]]
+            misfit = [r["resident_count"] for r in mine if is_before(r) and not r["fits"]]
             if misfit:
                 ax.axvspan(min(misfit) - 0.5, max(misfit) + 0.5, color="0.9", zorder=0)
             auto = [r["resident_count"] for r in mine if r["auto"]]

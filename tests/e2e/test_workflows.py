@@ -75,7 +75,7 @@ def test_offload_sits_between_loader_and_sampler(path):
         assert n["outputs"][0]["links"], f"node {n['id']}'s MODEL output goes nowhere"
         resident, prefetch, policy, pin, host_store = n["widgets_values"]
         assert resident == -1, "shipped workflows start in auto mode; the note gives fixed counts"
-        assert prefetch >= 1 and policy in ("leading", "strided") and isinstance(pin, bool)
+        assert prefetch >= 1 and policy in ("auto", "leading", "strided") and isinstance(pin, bool)
         assert host_store == "auto", "shipped workflows keep blocks in RAM while they fit, the rest on disk"
         assert n["properties"].get("cnr_id") == "layerwise-offload"
     for st in (n for n in wf["nodes"] if n["type"] == "LayerwiseOffloadStats"):
