@@ -6,8 +6,8 @@ For each loader (ComfyUI's UNETLoader, Load Diffusion Model (Layerwise), ComfyUI
 whichever ComfyUI runs the suite, ComfyUI alone is the loader straight into the sampler, without the node. It runs
 once with no limit (its cgroup peak), then under limits bisected between what the warm server holds and that peak,
 to 32 MiB. At the smallest limit it completed under, plus that resolution, plus the two streaming slots of prefetch 1 (the CPU loopback's
-"VRAM": a GPU holds them in VRAM), the node runs at its defaults (resident_layers auto, prefetch 1, leading,
-pin_memory on, host_store auto) three times: each completes, bitwise ComfyUI alone's latent, without the "host
+"VRAM": a GPU holds them in VRAM), the node runs at its defaults (resident_layers auto, prefetch 1, residency_policy
+auto: leading on the CPU loopback, pin_memory on, host_store auto) three times: each completes, bitwise ComfyUI alone's latent, without the "host
 memory is short" refusal, auto keeping no resident block (a resident would be more loopback "VRAM" than the two
 slots), and the server lives. Before every run everything is unloaded and the model's file dropped from the page
 cache, so each run starts from the same state and page-cache timing cannot flip the outcome.
@@ -27,7 +27,6 @@ gguf package is missing). Skipped where no memory cgroup can be made (not root, 
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -56,7 +55,7 @@ WARM_GGUF_NAME = "layerwise_offload_limit_tiny_wan21_F16.gguf"
 CONFIG = dict(tiny_dits.WAN21_TINY_CONFIG, dim=1024, num_heads=8, ffn_dim=4096, num_layers=8)  # fp32: 64 MiB blocks
 GGUF_CONFIG = dict(CONFIG, ffn_dim=12288)  # F16 matrices: 64 MiB blocks
 # The node as a user drops it in (checked against the node's own defaults).
-DEFAULTS = {"resident_layers": -1, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True,
+DEFAULTS = {"resident_layers": -1, "prefetch_size": 1, "residency_policy": "auto", "pin_memory": True,
             "host_store": "auto"}
 LAYERWISE_LOADER = "LayerwiseOffloadLoadDiffusionModel"
 GGUF_LOADER = "UnetLoaderGGUF"
@@ -343,19 +342,11 @@ def node_limit(servers: Servers, loader: str, failed_at: int, ceiling: int) -> O
     return high
 
 
-# Known gap (issue 26 item 3, open): with a loader that leaves the weights in the file (ComfyUI alone then runs from
-# reclaimable page cache), auto reads every block from the checkpoint through the staging ring, prefetch + 2 whole
-# blocks of anonymous RAM: measured 0.3.75 / 0.33.0, the node needs alone's limit + the slots + 192 MiB (the ring).
-# Strict: they fail the suite the day the ring stops growing with the block, so the marks must go. They take
-# minutes (OOM-killed servers), so they run only with LAYERWISE_OFFLOAD_RAM_LIMIT_ALL=1.
-RING_GAP = pytest.mark.xfail(
-    reason="the disk tier's staging ring (prefetch + 2 whole blocks) is RAM that ComfyUI alone, reading the mapped "
-           "file, does not need (issue 26 item 3)",
-    strict=True, run=os.environ.get("LAYERWISE_OFFLOAD_RAM_LIMIT_ALL") == "1")
-
-
-@pytest.mark.parametrize("loader", ["UNETLoader", pytest.param(LAYERWISE_LOADER, marks=RING_GAP),
-                                    pytest.param(GGUF_LOADER, marks=RING_GAP)])
+# With a loader that leaves the weights in the file (ComfyUI alone then runs from reclaimable page cache), auto reads
+# every block from the file through the disk tier's staging ring. That ring was prefetch + 2 whole blocks of
+# anonymous RAM (the node needed alone's limit + the slots + 192 MiB); it is now a few chunks whatever the block
+# (offload/disk/tier.py staging_ring_bytes: 2 x 16 MiB), and these run in the suite (about 4 and 3 minutes).
+@pytest.mark.parametrize("loader", ["UNETLoader", LAYERWISE_LOADER, GGUF_LOADER])
 def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader):
     from layerwise_offload.nodes.offload_node import DEFAULTS as NODE_DEFAULTS
 
