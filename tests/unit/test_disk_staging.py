@@ -164,3 +164,36 @@ def test_kept_entries_are_copied_into_every_chunk_they_span():
     transposed = layout.entries[by_name["down.weight"]]
     assert transposed.stride != tuple(sources[by_name["down.weight"]].contiguous().stride())  # stored transposed
     assert transposed.offset // 4096 != (transposed.offset + transposed.span_elements * 4 - 1) // 4096
+
+
+def test_the_readmes_flux_staging_figures_are_the_accounting():
+    """The README's before/after staging RAM for Flux.1-dev (host_store disk, prefetch 1) is what the pack's own
+    accounting gives over the template's real block sizes: now the plan's ring (``HostSide._plan_tiers``, the figure
+    packing and the refusals use), before prefetch + 2 whole page-padded blocks (the old ring)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from layerwise_offload.offload import OffloadConfig
+    from layerwise_offload.offload.host.side import HostEnvironment, HostSide
+
+    root = Path(__file__).resolve().parents[2]
+    flux = next(t for t in json.loads((root / "devtools" / "template_plans.json").read_text())["templates"]
+                if t["key"] == "flux1_dev")
+
+    class Meta(nn.Module):
+        def __init__(self, nbytes):
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(nbytes, dtype=torch.uint8, device="meta"), requires_grad=False)
+
+    config = OffloadConfig(host_store="disk", prefetch_size=1)
+    host = HostSide([Meta(n) for n in flux["block_bytes"]], torch.device("cpu"), lambda: config,
+                    HostEnvironment(available_host_bytes=lambda: 2**40))
+    now = host._plan_tiers(range(len(flux["block_bytes"])), "disk").ring_bytes
+    largest = max(flux["block_bytes"])
+    before = (config.prefetch_size + 2) * padded(largest)
+    line = re.search(r"For Flux\.1-dev's (\d+) MiB double blocks at prefetch 1 .*? gives (\d+) MiB before .*? and "
+                     r"(\d+) MiB now", (root / "README.md").read_text(), re.S)
+    assert line, "the README's staging RAM line for Flux.1-dev"
+    assert [int(g) for g in line.groups()] == [round(largest / MiB), round(before / MiB), round(now / MiB)]
+    assert now == staging_ring_bytes(largest) == disk_tier.STAGING_CHUNKS * disk_tier.CHUNK_BYTES
