@@ -82,7 +82,7 @@ def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
     assert torch.equal(tiny_dits.sample(offload_model(model, 2, 1, "strided", True, "ram"), seed=3), want)
     mm.unload_all_models()
 
-    # 16 blocks: the disk tier's staging ring (prefetch + 2 blocks) is well below the model.
+    # 16 blocks: the disk tier's staging ring (a few chunks, at most a block each) is well below the model.
     deep = dict(tiny_dits.WAN21_TINY_CONFIG, num_layers=16)
     want = tiny_dits.sample(tiny_dits._build("WAN21_T2V", deep, 0, torch.float32), seed=3, family="wan21")
     mm.unload_all_models()
