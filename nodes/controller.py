@@ -141,9 +141,13 @@ class OffloadController:
         return host + self.manager.host_ram_bytes()
 
     def loaded_bytes(self) -> int:
-        on_device = sum(weight_nbytes(t) for t in self._non_block_tensors()
-                        if t.device == self.device)
-        return on_device + self.manager.device_bytes()
+        """What this model holds on the device: its non-block weights there, and the manager's buffers. ComfyUI is
+        told it after every forward: the non-block part (a walk over every module) is counted once and kept until
+        the non-block weights move (:meth:`put_non_block_weights`, at ComfyUI's load and unload) or a run starts."""
+        if self._non_block_device_bytes is None:
+            self._non_block_device_bytes = sum(weight_nbytes(t) for t in self._non_block_tensors()
+                                               if t.device == self.device)
+        return self._non_block_device_bytes + self.manager.device_bytes()
 
     def _non_block_modules(self):
         for module in self.base_model.modules():
@@ -198,6 +202,7 @@ class OffloadController:
 
     def put_non_block_weights(self, patcher, device_to, decisions=None) -> None:
         """The non-block weights to ``device_to``; on the compute device with the patches ComfyUI's load applies."""
+        self._non_block_device_bytes = None  # counted again by the next loaded_bytes()
         device_to = normalize_device(torch.device(device_to))
         prefix_of = {id(m): name for name, m in self.base_model.named_modules()}
         for module in self._non_block_modules():
@@ -410,8 +415,10 @@ class OffloadController:
         """This model's manager for ``device`` (shared by every output of the model), with ComfyUI's pinning."""
         self.manager = shared_manager(self.diffusion_model, self.discovered, device, self.config)
         self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
+        self._non_block_device_bytes = None
 
     def begin_run(self, patcher) -> None:
+        self._non_block_device_bytes = None  # once per run, whoever moved what since
         self.manager.reset_peaks()
         if self.manager.prepare():
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")

@@ -58,7 +58,10 @@ class OffloadConfig:
     policy: ``leading`` keeps the first blocks the model runs; ``strided`` spreads the streamed
         blocks evenly over the step so their copies overlap more compute.
     pin_memory: page-lock the host store; ``None`` means "when the compute device is an accelerator".
-    measure_time: record copy and stall timings (CUDA events on a GPU, a clock on the CPU loopback).
+    measure_time: record copy and stall timings (CUDA events on a GPU, a clock on the CPU loopback): the
+        ``copy_seconds`` / ``stall_seconds`` the Stats node and the run line read (GB/s, time waiting for copies),
+        so on by default; off, a streamed block's copy records just the one event the compute stream waits on
+        instead of three (its start, its end, the compute stream's arrival at the wait).
     released_params: what a released block's parameters point at. ``placeholder`` (empty tensors)
         makes any use of a released block fail loudly; ``host`` (views of the host store) keeps the
         module a valid, partly offloaded model for code that runs it without the hooks, such as

@@ -180,11 +180,12 @@ class LayerwiseOffloadManager:
         if views is not None:  # prefetched by the last forward (end_forward): the wait is queued now
             self._point_at(index, views)
         states.running[index] += 1
-        self._prefetch_after(index, pageable=False)
+        states.deferred[index] = self._prefetch_after(index, pageable=False)
 
     @compiler_disable
     def after_block(self, index: int) -> None:
-        if self.schedule is not None:
+        if self.schedule is not None and self.states.deferred[index]:  # copies the pass before the block left
+            self.states.deferred[index] = False
             self._prefetch_after(index, pageable=True)
         running = self.states.running
         if running[index] > 0:
@@ -203,17 +204,24 @@ class LayerwiseOffloadManager:
         """The streamed blocks to have on the device next, after the block ``index`` runs."""
         return self.calls.upcoming(index, self.config.prefetch_size, self.schedule, self.states.materialized[index])
 
-    def _prefetch_after(self, index: int, pageable: Optional[bool] = None) -> None:
+    def _prefetch_after(self, index: int, pageable: Optional[bool] = None) -> bool:
         """Start the copies of the blocks to run next; ``pageable`` picks only the copies from pageable
         (True) or page-locked (False) host memory. A pageable copy is staged by the host and waits for the
         copy stream: issued before block ``index`` is launched it would leave the GPU idle, issued after it
-        overlaps its compute."""
+        overlaps its compute. Returns whether some copy was left for later (of the other kind, or no free slot):
+        the pass after the block runs is needed only then."""
         targets = self._upcoming(index)
+        materialized = self.states.materialized
+        left = False
         for target in targets:
-            if self.states.materialized[target] or (pageable is not None and self._copy_is_pageable(target) != pageable):
+            if materialized[target]:
+                continue
+            if pageable is not None and self._copy_is_pageable(target) != pageable:
+                left = True
                 continue
             if not self._materialize(target, protect=targets, may_fail=True):
-                break
+                return True
+        return left
 
     def _copy_is_pageable(self, index: int) -> bool:
         return self.backend.asynchronous and self.host.pageable(index)
@@ -255,7 +263,10 @@ class LayerwiseOffloadManager:
     def _materialize(self, index: int, protect: Iterable[int] = (), may_fail: bool = False, after=None) -> bool:
         # Buffers and views are of the parameters' kind (see HostSide._restart): normal views made under
         # inference_mode would be unusable by autograd later, normal data in an inference parameter fails.
-        with torch.inference_mode(self.inference_tensors):
+        inference = self.inference_tensors
+        if torch.is_inference_mode_enabled() == inference:  # entering the mode costs more than the rest of a copy
+            return self._copy_block_in(index, protect, may_fail, after)
+        with torch.inference_mode(inference):
             return self._copy_block_in(index, protect, may_fail, after)
 
     def _copy_block_in(self, index: int, protect: Iterable[int], may_fail: bool, after) -> bool:
@@ -268,7 +279,7 @@ class LayerwiseOffloadManager:
                 after = self.backend.mark_compute()
             key = ("resident", index)
         else:
-            slot = memory.acquire(set(protect), not may_fail, self.states.running, self._release)
+            slot = memory.acquire(protect, not may_fail, self.states.running, self._release)
             if slot is None:
                 if may_fail:
                     return False
@@ -277,14 +288,19 @@ class LayerwiseOffloadManager:
                     f"block; raise prefetch_size or check for re-entrant block calls")
             buffer, after = memory.take(slot, index)
             key = (slot, index)
-        views = self.params.views(key, lambda: layout.weight_views(buffer))
-        reach = self.config.prefetch_size + self.host.ring_size
-        ahead = self.calls.lookahead(index, reach, self.schedule) if self.host.reads_ahead(index) else ()
-        source = self.host.source(index, ahead)
-        bounce = (self.host.pinner if self.schedule.resident[index] and self.pin_memory
+        views = self.params.views(key, lambda: layout.weight_views(buffer), layout)
+        destination = views.destination
+        if destination is None:
+            destination = views.destination = buffer.narrow(0, 0, layout.nbytes)
+        host = self.host
+        if host.reads_ahead(index):
+            ahead = self.calls.lookahead(index, self.config.prefetch_size + host.ring_size, self.schedule)
+        else:
+            ahead = ()
+        source = host.source(index, ahead)
+        bounce = (host.pinner if self.schedule.resident[index] and self.pin_memory
                   and self._copy_is_pageable(index) else None)
-        handle = self.copier.copy(
-            self.backend, index, buffer.narrow(0, 0, layout.nbytes), source, after, views, bounce_pinner=bounce)
+        handle = self.copier.copy(self.backend, index, destination, source, after, views, bounce_pinner=bounce)
         self.host.copied(index, handle)
         self._point_at(index, views)
         self.states.copied_in(index, views, handle)
@@ -522,7 +538,7 @@ class LayerwiseOffloadManager:
 
     def _pack(self, indices: Sequence[int], progress=None) -> None:
         def packed(index: int) -> None:
-            self.states.materialized[index] = False
+            self.states.released(index)
             self._point_released(index)  # ComfyUI's copy of the block is freed here
         self.host.pack(indices, self.params, packed, progress)
         if indices:
@@ -547,7 +563,7 @@ class LayerwiseOffloadManager:
 
     def reset_peaks(self) -> None:
         """Start the peak counters (materialized blocks, device bytes) again from what is held now."""
-        self.counters.note_peaks(sum(self.states.materialized), self.device_bytes(), reset=True)
+        self.counters.note_peaks(self.states.count, self.device_bytes(), reset=True)
 
     def _note_peaks(self) -> None:
-        self.counters.note_peaks(sum(self.states.materialized), self.device_bytes())
+        self.counters.note_peaks(self.states.count, self.device_bytes())

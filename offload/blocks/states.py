@@ -15,8 +15,11 @@ class BlockStates:
         self.clear()
 
     def clear(self) -> None:
-        self.materialized: List[bool] = [False] * self.num_blocks
+        self.materialized: List[bool] = [False] * self.num_blocks  # change it only through copied_in / released
+        self.count = 0  # of materialized blocks, kept as they change: the peak counters read it at every copy
         self.running: List[int] = [0] * self.num_blocks  # calls of the block in progress (re-entrant models)
+        # The prefetch before the block ran left copies (of pageable blocks, or for want of a slot) to the pass after.
+        self.deferred: List[bool] = [False] * self.num_blocks
         self._pending: List[Optional[object]] = [None] * self.num_blocks  # the copy compute has not waited for yet
         self._device_views: Dict[int, list] = {}  # what a materialized block's parameters view on the device
         self._hidden: set = set()
@@ -29,10 +32,14 @@ class BlockStates:
         self._pending[index] = handle
         self._device_views[index] = views
         self._hidden.discard(index)
-        self.materialized[index] = True
+        if not self.materialized[index]:
+            self.materialized[index] = True
+            self.count += 1
 
     def released(self, index: int) -> None:
-        self.materialized[index] = False
+        if self.materialized[index]:
+            self.materialized[index] = False
+            self.count -= 1
         self._pending[index] = None
         self._hidden.discard(index)
         self._device_views.pop(index, None)

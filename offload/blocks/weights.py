@@ -20,8 +20,9 @@ the store cannot see would silently lose it (or dequantize it).
 
 from __future__ import annotations
 
+import copyreg
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,6 +34,8 @@ __all__ = [
     "weight_parts",
     "register_storage_subclass",
     "point_param_at",
+    "WrapperPointer",
+    "wrapper_inner",
     "weight_pointer",
     "is_wrapper_weight",
     "weight_nbytes",
@@ -151,6 +154,112 @@ def _fresh_like(param: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if key not in vars(fresh) and not isinstance(value, torch.Tensor):
             setattr(fresh, key, value)
     return fresh
+
+
+def wrapper_inner(weight: torch.Tensor) -> Optional[List[torch.Tensor]]:
+    """A wrapper weight's inner tensors in its ``__tensor_flatten__`` order, when each is a plain tensor (None for
+    nested wrappers: :class:`WrapperPointer` then takes the generic path)."""
+    inner_names, _ = weight.__tensor_flatten__()
+    inner = [getattr(weight, name) for name in inner_names]
+    return inner if all(type(t) is torch.Tensor for t in inner) else None
+
+
+_SLOTLESS: Dict[type, bool] = {}
+
+
+def _slotless(cls: type) -> bool:
+    known = _SLOTLESS.get(cls)
+    if known is None:
+        known = _SLOTLESS[cls] = not copyreg._slotnames(cls)
+    return known
+
+
+class WrapperPointer:
+    """Points one wrapper-subclass parameter (a quantized weight) at weights of its kind, many times, cheaply.
+
+    :func:`point_param_at` builds a throwaway object over the target's inner tensors and swaps it in with
+    ``torch.utils.swap_tensors``: about 25 us a weight, twice per streamed block per step. Here the parameter is
+    given, once, contents of its own: an object built by the class's ``__tensor_unflatten__`` over *aliases* of the
+    target's inner tensors (views nobody else holds), swapped in whole like :func:`point_param_at` does. From then
+    on pointing it elsewhere re-points those aliases (``.data =``: no kernel, no copy) and, when the device changes,
+    trades the parameter's C++ tensor (a wrapper's holds only its size, dtype and device) with a *donor* of the
+    target's device kept for that (``torch._C._swap_tensor_impl``, what ``swap_tensors`` does under its checks; the
+    parameter's ``__dict__``, its contents and own attributes, stays). The parameter object never changes, and its
+    contents always describe the target's bytes as the class itself built them (the context is the one the layout
+    recorded, the same for every place). Anything unusual (nested wrappers, slots, a class change, a C++ tensor
+    someone else holds) takes :func:`point_param_at`'s path.
+    """
+
+    __slots__ = ("param", "_aliases", "_device", "_donors")
+
+    def __init__(self, param: torch.Tensor):
+        self.param = param
+        self._aliases: Optional[List[torch.Tensor]] = None  # the parameter's inner tensors, ours alone
+        self._device: Optional[torch.device] = None  # the device of the parameter's C++ tensor, while ours
+        self._donors: Dict[torch.device, torch.Tensor] = {}  # per device: an object whose C++ tensor is the swap's
+
+    def forget_spares(self) -> None:
+        self._donors = {}
+
+    def point(self, weight: torch.Tensor, inner: Optional[Sequence[torch.Tensor]] = None,
+              device: Optional[torch.device] = None) -> None:
+        """Make the parameter hold ``weight`` (a wrapper rebuilt over views); ``inner``: its inner tensors
+        (:func:`wrapper_inner`, read once per cached views list), ``device``: its device (None: read them now)."""
+        param, aliases = self.param, self._aliases
+        if inner is None:
+            inner = wrapper_inner(weight) if is_traceable_wrapper_subclass(weight) else None
+        if device is None:
+            device = weight.device
+        if aliases is None or inner is None or len(inner) != len(aliases) or type(weight) is not type(param):
+            self._install(weight, inner, device)
+            return
+        if device != self._device:
+            donor = self._donors.pop(device, None)
+            if donor is None:
+                donor = self._donor(weight)
+            if param._use_count() != 1 or donor._use_count() != 1:  # autograd holds it: the checked path
+                self._generic(weight)
+                return
+            torch._C._swap_tensor_impl(param, donor)
+            self._donors[self._device] = donor
+            self._device = device
+        try:
+            for alias, target in zip(aliases, inner):
+                alias.data = target
+        except RuntimeError:  # a tensor type .data cannot take (not a dense device): the checked path
+            self._generic(weight)
+
+    def _install(self, weight: torch.Tensor, inner, device) -> None:
+        """Give the parameter contents of its own over ``weight``'s inner tensors (swapped in whole, once)."""
+        cls = type(weight)
+        if inner is None or type(self.param) is not cls or not _slotless(cls):
+            self._generic(weight)
+            return
+        inner_names, ctx = weight.__tensor_flatten__()
+        own = cls.__tensor_unflatten__({name: getattr(weight, name).detach() for name in inner_names}, ctx,
+                                       weight.size(), weight.stride())
+        own_names, _ = own.__tensor_flatten__()  # some classes set attributes here (their inner tensors)
+        aliases = [getattr(own, name) for name in own_names]
+        if len(aliases) != len(inner) or not all(type(t) is torch.Tensor for t in aliases):
+            self._generic(weight)
+            return
+        for key, value in vars(self.param).items():  # the parameter's own attributes (``_is_param``) stay
+            if key not in vars(own) and not isinstance(value, torch.Tensor):
+                setattr(own, key, value)
+        torch.utils.swap_tensors(self.param, own)
+        self._aliases, self._device = aliases, device
+
+    def _donor(self, weight: torch.Tensor) -> torch.Tensor:
+        """An object of ``weight``'s class with a C++ tensor like its (device, size, dtype), holding nothing else."""
+        inner_names, ctx = weight.__tensor_flatten__()
+        donor = type(weight).__tensor_unflatten__({name: getattr(weight, name).detach() for name in inner_names}, ctx,
+                                                  weight.size(), weight.stride())
+        vars(donor).clear()  # only its C++ tensor is used: keep no view of the target's memory alive
+        return donor
+
+    def _generic(self, weight: torch.Tensor) -> None:
+        point_param_at(self.param, weight)
+        self._aliases = self._device = None  # the parameter shares its inner tensors with ``weight`` now
 
 
 def weight_pointer(tensor: torch.Tensor) -> int:

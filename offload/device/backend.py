@@ -95,6 +95,9 @@ class StreamBackend:
     def _event(self):
         return self.module.Event(enable_timing=self.measure_time)
 
+    # Events per copy: its end (what the compute stream waits on) always; with ``measure_time`` its start (copy
+    # time) and the compute stream's arrival at its wait (stall time) too, read lazily by :meth:`settle`.
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None, then=None) -> CopyHandle:
         """Queue ``dst.copy_(src)`` on the copy stream after ``after``, then ``then()`` (kernels on the copied
         data: a LoRA applied on the device) on a stream of its own once the copy is done; the returned handle's
@@ -131,12 +134,12 @@ class StreamBackend:
             return
         compute = self.module.current_stream(self.device)
         if self.measure_time:
+            # The compute stream goes on at the later of reaching this wait and the copy's end: it stalled from the
+            # one to the other (not at all when the copy ended first). One event here; the copy's own is the other.
             before = self._event()
             before.record(compute)
             compute.wait_event(handle.done)
-            after = self._event()
-            after.record(compute)
-            self._pending.append((before, after, True))
+            self._pending.append((before, handle.done, True))
         else:
             compute.wait_event(handle.done)
 
@@ -161,7 +164,7 @@ class StreamBackend:
                 continue
             seconds = start.elapsed_time(end) / 1000.0
             if is_stall:
-                self.stall_seconds += seconds
+                self.stall_seconds += max(0.0, seconds)
             else:
                 self.copy_seconds += seconds
         self._pending = keep
