@@ -197,20 +197,23 @@ class LayerwiseOffloadManager:
         # its slot keeps it rather than copy it in again.
         if window is None or index not in window:
             self._release(index)
-            # Its slot is free now: the look-ahead may want this very block again (next forward).
-            self._prefetch_after(index)
+            # Its slot is free now: the look-ahead may want this very block again (next forward). What _upcoming
+            # would give now, the block released: the window read above, once each.
+            self._prefetch_after(index, targets=None if window is None else list(dict.fromkeys(window)))
 
     def _upcoming(self, index: int) -> List[int]:
         """The streamed blocks to have on the device next, after the block ``index`` runs."""
         return self.calls.upcoming(index, self.config.prefetch_size, self.schedule, self.states.materialized[index])
 
-    def _prefetch_after(self, index: int, pageable: Optional[bool] = None) -> bool:
+    def _prefetch_after(self, index: int, pageable: Optional[bool] = None,
+                        targets: Optional[List[int]] = None) -> bool:
         """Start the copies of the blocks to run next; ``pageable`` picks only the copies from pageable
         (True) or page-locked (False) host memory. A pageable copy is staged by the host and waits for the
         copy stream: issued before block ``index`` is launched it would leave the GPU idle, issued after it
         overlaps its compute. Returns whether some copy was left for later (of the other kind, or no free slot):
-        the pass after the block runs is needed only then."""
-        targets = self._upcoming(index)
+        the pass after the block runs is needed only then. ``targets``: :meth:`_upcoming`'s answer, when known."""
+        if targets is None:
+            targets = self._upcoming(index)
         materialized = self.states.materialized
         left = False
         for target in targets:

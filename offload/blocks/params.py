@@ -44,13 +44,14 @@ class _Pointing:
     """How to point one block's parameters (for one layout): the parameters in ``layout.weights`` order, and a
     :class:`WrapperPointer` for each wrapper-subclass weight (None for the others, pointed with ``param.data =``)."""
 
-    __slots__ = ("layout", "params", "wrappers", "inference", "plain_torch_function")
+    __slots__ = ("layout", "params", "wrappers", "any_wrapper", "inference", "plain_torch_function")
 
     def __init__(self, layout: BlockLayout, inference: bool):
         self.layout = layout
         self.params = tuple(weight.param for weight in layout.weights)
         self.wrappers = tuple(WrapperPointer(weight.param) if weight.rebuild is not None else None
                               for weight in layout.weights)
+        self.any_wrapper = any(wrapper is not None for wrapper in self.wrappers)
         self.inference = inference
         # Subclass parameters (GGUF, quantized wrappers) run every attribute access and ``.data =`` through
         # ``Tensor.__torch_function__``, which only calls the same function with torch functions off: when none of
@@ -63,6 +64,9 @@ class _Pointing:
         if self.plain_torch_function:
             with torch._C.DisableTorchFunctionSubclass():
                 self._point(views)
+        elif not self.any_wrapper and getattr(views, "inner", None) is None:  # plain weights, our plain views
+            for param, view in zip(self.params, views):
+                param.data = view
         else:
             self._point(views)
 
