@@ -15,8 +15,11 @@ copies and re-pointing. Every block is streamed (resident 0, prefetch 1). Per fo
 - ``gguf``: the linears' weights as ComfyUI-GGUF's ``GGMLTensor`` (Q8_0 bytes; a storage subclass), from the
   unmodified pack in shared/peers (skipped with a line where it is missing), the rest float32.
 
-ms_per_block = (median forward with the manager - median forward without) / streamed blocks; ``--repeats`` rounds
-of ``--forwards`` forwards each give the min and median of that figure over rounds. Appends (or writes) rows to
+ms_per_block = (median forward with the manager - median forward without, the two taken in turns with the garbage
+collector off) / streamed blocks, timed by this thread's
+CPU time (``--clock thread``, the default: what the host spends, little moved by other processes on a busy machine)
+or elapsed time (``--clock wall``); ``--repeats`` rounds of ``--forwards`` forwards each give the min and median of
+that figure over rounds. Appends (or writes) rows to
 bench/results/host_time.csv: format, phase, ms_per_block (the median), ms_per_block_min, and the set-up.
 """
 
@@ -39,7 +42,7 @@ from typing import Callable, Dict, List, Optional
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS = REPO_ROOT / "bench" / "results" / "host_time.csv"
 COLUMNS = ["format", "phase", "ms_per_block", "ms_per_block_min", "blocks", "params_per_block", "repeats",
-           "forwards", "torch", "comfyui", "machine"]
+           "forwards", "clock", "torch", "comfyui", "machine"]
 
 
 def _comfy_env():
@@ -150,16 +153,27 @@ def build(fmt: str, blocks: int, folder: str) -> Optional[Toy]:
     return Toy([IdentityBlock(make, other, seed) for seed in range(blocks)])
 
 
-def _median_forward(model: nn.Module, x: torch.Tensor, forwards: int) -> float:
-    times = []
-    for _ in range(forwards):
-        start = time.perf_counter()
-        model(x)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
 
 
-def measure(fmt: str, blocks: int, repeats: int, forwards: int, folder: str) -> Optional[Dict[str, float]]:
+def _median_forwards(models, x: torch.Tensor, forwards: int, clock) -> List[float]:
+    """The median time of a forward of each model, their forwards taken in turns (a slow spell of the machine
+    falls on both), the garbage collector held off meanwhile (it runs between rounds)."""
+    times = [[] for _ in models]
+    gc.disable()
+    try:
+        for _ in range(forwards):
+            for model, spent in zip(models, times):
+                start = clock()
+                model(x)
+                spent.append(clock() - start)
+    finally:
+        gc.enable()
+    return [statistics.median(spent) for spent in times]
+
+
+def measure(fmt: str, blocks: int, repeats: int, forwards: int, folder: str,
+            clock=time.thread_time) -> Optional[Dict[str, float]]:
     bare, offloaded = build(fmt, blocks, folder), build(fmt, blocks, folder)
     if bare is None:
         return None
@@ -175,8 +189,7 @@ def measure(fmt: str, blocks: int, repeats: int, forwards: int, folder: str) -> 
         streamed = manager.stats().streamed_blocks
         for _ in range(repeats):
             gc.collect()
-            with_manager = _median_forward(offloaded, x, forwards)
-            without = _median_forward(bare, x, forwards)
+            with_manager, without = _median_forwards((offloaded, bare), x, forwards, clock)
             per_block.append((with_manager - without) / streamed * 1e3)
         stats = manager.stats()
     assert stats.streamed_blocks == blocks and stats.copies_last_forward >= blocks, stats
@@ -202,6 +215,9 @@ def main(argv=None) -> int:
     parser.add_argument("--blocks", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--forwards", type=int, default=30)
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
+                        help="thread: this thread's CPU time (what the host spends, robust to other processes on a "
+                             "busy machine); wall: elapsed time")
     parser.add_argument("--append", action="store_true", help="append to the CSV instead of rewriting it")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -209,17 +225,20 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for fmt in args.formats.split(","):
-            result = measure(fmt, args.blocks, args.repeats, args.forwards, folder)
+            result = measure(fmt, args.blocks, args.repeats, args.forwards, folder, CLOCKS[args.clock])
             if result is None:
                 continue
             row = {"format": fmt, "phase": args.phase, "ms_per_block": f"{result['ms_per_block']:.4f}",
                    "ms_per_block_min": f"{result['ms_per_block_min']:.4f}", "blocks": args.blocks,
                    "params_per_block": result["params_per_block"], "repeats": args.repeats,
-                   "forwards": args.forwards, "torch": torch.__version__, "comfyui": comfyui_version(),
+                   "forwards": args.forwards, "clock": args.clock, "torch": torch.__version__,
                    "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}
             rows.append(row)
             print(f"{fmt:10s} {args.phase:7s} median {row['ms_per_block']} ms/block, min {row['ms_per_block_min']}"
                   f" ({row['params_per_block']} parameters per block)")
+    version = comfyui_version()  # imported by the quantized or gguf rows, if at all: the same for every row
+    for row in rows:
+        row["comfyui"] = version
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     exists = out.is_file() and args.append
