@@ -46,6 +46,7 @@ from .measure import RESULTS  # noqa: E402
 from ..devtools import comfy_env, template_memory  # noqa: E402
 from ..offload import Schedule, choose_resident_blocks, planner  # noqa: E402
 from ..offload import timing_model as tm  # noqa: E402
+from ..offload.plan_choice import choose_plan  # noqa: E402
 from ..offload.timing_model import SETTINGS  # noqa: E402
 
 FIELDS = ("GPU", "template", "resident_count", "policy", "chosen", "prefetch", "predicted_step_ms", "bound_ms", "ratio",
@@ -189,7 +190,7 @@ def rows_for(tc: TemplateCosts, gpu, plans) -> List[dict]:
         fitting = [(policy, prefetch, r) for policy, prefetch in SETTINGS
                    if Schedule(choose_resident_blocks(n, r, policy)).device_bytes(tc.costs.block_bytes, prefetch)
                    + fixed <= gpu.vram_bytes]
-        choice = tm.choose_plan(tc.costs, gpu, fitting or [(policy, prefetch, r) for policy, prefetch in SETTINGS])
+        choice = choose_plan(tc.costs, gpu, fitting or [(policy, prefetch, r) for policy, prefetch in SETTINGS])
         variants.append((("auto", choice.prefetch), False))
         for (policy, prefetch), lora in variants:
             costs = tc.lora_costs if lora else tc.costs

@@ -20,7 +20,8 @@ from .planner import (ResidencyPlan, describe, estimate_activation_bytes, format
 from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
 from .stats import OffloadStats
 from .blocks.weights import point_param_at, weight_nbytes, weight_parts
-from .timing_model import SETTINGS, TIMING_GPU_ENV, ModelCosts, block_flops, choose_plan, gpu_for
+from .plan_choice import TIMING_GPU_ENV, block_flops, choose_plan, gpu_for
+from .timing_model import SETTINGS, ModelCosts
 
 __all__ = [
     "gpu_for",

@@ -49,8 +49,6 @@ The reference GPUs (:data:`GPUS`) carry their sources in ``source``.
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -62,7 +60,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["GpuSpec", "GPUS", "DIT_EFFICIENCY", "HOST_S_PER_STREAMED_BLOCK", "HOST_S_PER_STREAMED_BLOCK_QUANTIZED",
            "LAUNCH_S_PER_BLOCK", "COPY_LATENCY_S", "ModelCosts", "Trace", "Prediction", "record_schedule",
            "simulate", "predict", "bound_seconds", "clear_recordings", "SETTINGS",
-           "best_setting", "PlanChoice", "choose_plan", "block_flops", "gpu_for", "TIMING_GPU_ENV"]
+           "best_setting"]
 
 # ----------------------------------------------------------------------------------------------- figures
 
@@ -558,106 +556,3 @@ def best_setting(costs: ModelCosts, gpu: GpuSpec, resident_count: int, within: f
         if prediction.ratio <= within:
             best = (nbytes, policy, prefetch, prediction)
     return None if best is None else best[1:]
-
-
-# ----------------------------------------------------------------------------------------------- at run time
-
-log = logging.getLogger("layerwise_offload")
-
-TIMING_GPU_ENV = "LAYERWISE_OFFLOAD_TIMING_GPU"  # a name of GPUS: plan as on that card (tests, the CPU loopback)
-CLOSE_STEP = 1.01  # predicted steps this close to the fastest count as equal: the plan with fewer device bytes wins
-
-
-def block_flops(block: nn.Module, tokens: int, batch: int = 1) -> float:
-    """One forward of ``block`` over ``tokens`` tokens per item: ``2 x linear weights x tokens + 4 x tokens^2 x
-    width`` per item, ``width`` its narrowest linear input (the hidden size), every linear seeing every token.
-    bench/timing_table.py counts the templates' FLOPs exactly on the meta device; this rule of thumb is what a
-    run can afford, and within a few percent of the count for the DiT blocks it was checked on."""
-    elements, width = 0, None
-    for module in block.modules():
-        weight = getattr(module, "weight", None)
-        in_features = getattr(module, "in_features", None)
-        if isinstance(in_features, int) and weight is not None:
-            elements += weight.numel() if weight.dim() == 2 else in_features * getattr(module, "out_features", 0)
-            width = in_features if width is None else min(width, in_features)
-    return float(batch) * (2.0 * elements * tokens + 4.0 * tokens * tokens * (width or 0))
-
-
-@functools.lru_cache(maxsize=None)
-def _measured_gpu(index: int) -> Optional[GpuSpec]:
-    """This CUDA device's own figures, from three short timings (once per process): a pinned host-to-device copy,
-    a bf16 matmul, a device-to-device copy. None when the device has no room for them."""
-    device = torch.device("cuda", index)
-    try:
-        def timed(work, repeats=5):
-            work()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            best = float("inf")
-            for _ in range(repeats):
-                start.record()
-                work()
-                end.record()
-                end.synchronize()
-                best = min(best, start.elapsed_time(end) / 1e3)
-            return best
-        nbytes = 64 * 2 ** 20
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        h2d = nbytes / timed(lambda: dst.copy_(host, non_blocking=True))
-        src = torch.empty_like(dst)
-        hbm = 2 * nbytes / timed(lambda: dst.copy_(src))
-        del host, src, dst
-        n = 4096
-        a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-        b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-        matmul = 2.0 * n ** 3 / timed(lambda: a @ b)
-        del a, b
-    except (RuntimeError, torch.cuda.OutOfMemoryError):
-        return None
-    properties = torch.cuda.get_device_properties(device)
-    return GpuSpec(properties.name, properties.total_memory, h2d, matmul, hbm, "measured at the first run")
-
-
-def gpu_for(device) -> Optional[GpuSpec]:
-    """The card ``device`` is, as the timing model needs it: the reference card named by $LAYERWISE_OFFLOAD_TIMING_GPU
-    (so the CPU loopback plans as that card would), else a CUDA device's measured figures; None for anything else."""
-    named = os.environ.get(TIMING_GPU_ENV)
-    if named:
-        if named not in GPUS:
-            raise ValueError(f"[layerwise-offload] ${TIMING_GPU_ENV}={named!r} is not a reference GPU; use one of "
-                             f"{', '.join(map(repr, GPUS))}, or unset it")
-        return GPUS[named]
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    return _measured_gpu(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@dataclass(frozen=True)
-class PlanChoice:
-    """One candidate plan and what the model predicts for it."""
-
-    policy: str
-    prefetch: int
-    resident_count: int
-    device_bytes: int
-    prediction: Prediction
-
-
-def choose_plan(costs: ModelCosts, gpu: GpuSpec, candidates: Sequence[Tuple[str, int, int]]) -> PlanChoice:
-    """The fastest of ``candidates`` ((policy, prefetch, resident count), each fitting the device) as predicted on
-    ``gpu``; among those within :data:`CLOSE_STEP` of the fastest step, the one holding the fewest device bytes
-    (ties: the earlier candidate)."""
-    from .schedule import Schedule, choose_resident_blocks
-
-    if not candidates:
-        raise ValueError("choose_plan needs at least one candidate")
-    scored = []
-    for policy, prefetch, count in candidates:
-        nbytes = Schedule(choose_resident_blocks(costs.num_blocks, count, policy)).device_bytes(
-            costs.block_bytes, prefetch)
-        scored.append(PlanChoice(policy, prefetch, count, nbytes, predict(costs, gpu, count, policy, prefetch)))
-    fastest = min(c.prediction.step_s for c in scored)
-    close = [c for c in scored if c.prediction.step_s <= fastest * CLOSE_STEP]
-    return min(close, key=lambda c: c.device_bytes)
-

@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from layerwise_offload.offload.device import backend as device_backend
+from layerwise_offload.offload import plan_choice as pc
 from layerwise_offload.offload import timing_model as tm
 
 UNIT = tm.GpuSpec("unit", 0, h2d_bytes_per_s=1.0, matmul_flops_per_s=1.0 / tm.DIT_EFFICIENCY, hbm_bytes_per_s=1.0)
@@ -196,14 +197,14 @@ def test_choose_plan_picks_a_setting_at_the_bound_where_leading_misses_it():
     n, resident = 16, 8
     c = tm.ModelCosts(tuple([600 * 10**6] * n), tuple([gpu.dit_flops_per_s * 5e-3] * n))
     assert tm.predict(c, gpu, resident, "leading", 1).ratio > 1.1
-    choice = tm.choose_plan(c, gpu, [(policy, prefetch, resident) for policy, prefetch in tm.SETTINGS])
+    choice = pc.choose_plan(c, gpu, [(policy, prefetch, resident) for policy, prefetch in tm.SETTINGS])
     assert choice.prediction.ratio <= 1.05
     fastest = min(tm.predict(c, gpu, resident, p, k).step_s for p, k in tm.SETTINGS)
-    assert choice.prediction.step_s <= fastest * tm.CLOSE_STEP
+    assert choice.prediction.step_s <= fastest * pc.CLOSE_STEP
     # Of the plans as fast as it, none holds fewer device bytes.
     for policy, prefetch in tm.SETTINGS:
-        other = tm.choose_plan(c, gpu, [(policy, prefetch, resident)])
-        if other.prediction.step_s <= fastest * tm.CLOSE_STEP:
+        other = pc.choose_plan(c, gpu, [(policy, prefetch, resident)])
+        if other.prediction.step_s <= fastest * pc.CLOSE_STEP:
             assert choice.device_bytes <= other.device_bytes
 
 
@@ -211,14 +212,14 @@ def test_block_flops_counts_linear_weights_and_attention():
     from torch import nn
     block = nn.Sequential(nn.Linear(64, 256), nn.Linear(256, 64))
     tokens, batch = 10, 2
-    assert tm.block_flops(block, tokens, batch) == batch * (2.0 * 2 * 64 * 256 * tokens + 4.0 * tokens**2 * 64)
+    assert pc.block_flops(block, tokens, batch) == batch * (2.0 * 2 * 64 * 256 * tokens + 4.0 * tokens**2 * 64)
 
 
 def test_gpu_for_a_named_reference_card_and_none_for_the_cpu(monkeypatch):
-    monkeypatch.delenv(tm.TIMING_GPU_ENV, raising=False)
-    assert tm.gpu_for("cpu") is None
-    monkeypatch.setenv(tm.TIMING_GPU_ENV, "RTX 4090 24GB")
-    assert tm.gpu_for("cpu") is tm.GPUS["RTX 4090 24GB"]
-    monkeypatch.setenv(tm.TIMING_GPU_ENV, "RTX 9999")
+    monkeypatch.delenv(pc.TIMING_GPU_ENV, raising=False)
+    assert pc.gpu_for("cpu") is None
+    monkeypatch.setenv(pc.TIMING_GPU_ENV, "RTX 4090 24GB")
+    assert pc.gpu_for("cpu") is tm.GPUS["RTX 4090 24GB"]
+    monkeypatch.setenv(pc.TIMING_GPU_ENV, "RTX 9999")
     with pytest.raises(ValueError, match="RTX 9999.*not a reference GPU.*RTX 4090 24GB"):
-        tm.gpu_for("cpu")
+        pc.gpu_for("cpu")
