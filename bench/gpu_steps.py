@@ -211,7 +211,7 @@ def resident_copy(nbytes: int, device: torch.device) -> dict:
     # Looks inside: the preflight times the manager's own copy machinery, which has no public handle.
     from ..offload.device.backend import StreamBackend
     from ..offload.device.resident_copy import bounce_for
-    from ..offload.host.pinning import CudaHostRegisterPinner
+    from ..offload.memory.pinning import CudaHostRegisterPinner
     src = page_aligned_host(nbytes)
     src.fill_(1)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -277,7 +277,7 @@ def preflight(args, tables, state) -> int:
         except Exception as error:  # noqa: BLE001 - a refused ring is a result
             add("h2d_gbps_resident_bounce", "", "GB/s", failed(error))
         # A refused registration (the same pages twice) must leave no error behind for the next kernel launch.
-        from ..offload.host.pinning import CudaHostRegisterPinner, _runtime_last_error  # looks inside, as above
+        from ..offload.memory.pinning import CudaHostRegisterPinner, _runtime_last_error  # looks inside, as above
         pinner, buf = CudaHostRegisterPinner(), page_aligned_host(1 << 20)
         first, second = pinner.register(buf), pinner.register(buf)
         reader = _runtime_last_error()  # torch's cudart bindings have no cudaGetLastError

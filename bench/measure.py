@@ -248,7 +248,7 @@ def copy_seconds(nbytes: int, device: torch.device, kind: str = "pinned", repeat
     else:
         src = page_aligned_host(nbytes)
         if kind == "registered":
-            from ..offload.host.pinning import CudaHostRegisterPinner  # looks inside: the host store's own pinner
+            from ..offload.memory.pinning import CudaHostRegisterPinner  # looks inside: the host store's own pinner
             pinner = CudaHostRegisterPinner()
             if not pinner.register(src):
                 raise RuntimeError(f"cudaHostRegister refused {nbytes} bytes")

@@ -10,16 +10,16 @@ from .config import HOST_STORES, POLICIES, OffloadConfig, resolve_resident_count
 from .device.backend import normalize_device
 from .disk.cache_file import disk_tier_unsupported, remove_stale_files
 from .hooks import cuda_graph_refusal
-from .host.ram import available_host_bytes
+from .memory.ram import available_host_bytes
 from .host.side import DISK_DIR_ENV, HostEnvironment, default_disk_folder
 from .host.packing import block_parameters
 from .manager import LayerwiseOffloadManager
-from .host.pinning import clear_cuda_error, return_freed_host_memory
+from .memory.pinning import clear_cuda_error, return_freed_host_memory
 from .planner import (ResidencyPlan, describe, estimate_activation_bytes, format_bytes, forward_activation_bytes,
                       plan_residency)
 from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
 from .stats import OffloadStats
-from .blocks.weights import point_param_at, weight_nbytes, weight_parts
+from .weights import point_param_at, weight_nbytes, weight_parts
 from .plan_choice import TIMING_GPU_ENV, block_flops, choose_plan, gpu_for
 from .timing_model import SETTINGS, ModelCosts
 

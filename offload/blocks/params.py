@@ -20,7 +20,7 @@ from torch import nn
 
 from .checks import check_no_shared_parameters
 from ..host.packing import BlockLayout, HostStore, block_parameters, params_are_inference
-from .weights import WrapperPointer, point_param_at, wrapper_inner, weight_pointer
+from ..weights import WrapperPointer, point_param_at, wrapper_inner, weight_pointer
 
 
 class PlacedWeights(list):

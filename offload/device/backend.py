@@ -22,18 +22,6 @@ class CopyHandle:
         self.started = started
 
 
-def copy_finished(handle, wait: bool) -> bool:
-    """Whether the copy behind ``handle`` (None: no copy) has finished reading its source; ``wait``: block the
-    host until it has. What lets a host buffer be refilled."""
-    event = getattr(handle, "done", None)
-    if event is None:
-        return True
-    if wait:
-        event.synchronize()
-        return True
-    return bool(event.query())
-
-
 class SyncBackend:
     """Copies happen at once on the calling thread; waiting is free.
 

@@ -16,9 +16,8 @@ from typing import List, Optional
 
 import torch
 
-from .backend import copy_finished
+from ..memory.pinning import PinLedger, copy_finished
 from ..host.packing import allocate_host_buffer
-from ..host.pinning import PinLedger
 
 __all__ = ["PinnedBounce"]
 

@@ -36,9 +36,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..device.backend import copy_finished
+from ..memory.pinning import PinLedger, copy_finished
 from .cache_file import ALIGN, CacheFile, aligned_buffer, padded
-from ..host.pinning import PinLedger
 
 __all__ = ["CHUNK_BYTES", "DiskSource", "DiskTier", "READ_BYTES", "STAGING_CHUNKS", "staging_ring_bytes"]
 

@@ -18,8 +18,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .pinning import Pinner, PinLedger
-from ..blocks.weights import RebuildFn, weight_parts
+from ..memory.pinning import Pinner, PinLedger
+from ..weights import RebuildFn, weight_parts
 
 log = logging.getLogger("layerwise_offload")
 

@@ -17,8 +17,8 @@ from ..disk.cache_file import disk_tier_unsupported
 from ..disk import tier as disk_tier
 from ..disk.tier import CHUNK_BYTES, DiskSource, DiskTier, staging_ring_bytes
 from ..disk.mappings import MappedFiles, checkpoint_extents
-from .ram import available_host_bytes, pinnable_bytes
-from .pinning import default_pinner, return_freed_host_memory
+from ..memory.ram import available_host_bytes, pinnable_bytes
+from ..memory.pinning import default_pinner, return_freed_host_memory
 from .packing import HostStore, _packed_sources, block_parameters, params_are_inference, plan_layout
 
 log = logging.getLogger("layerwise_offload")

@@ -8,7 +8,7 @@ import comfy.model_management as mm
 
 from layerwise_offload.nodes import controller
 from layerwise_offload.nodes.host_ram import ComfyUIPinner
-from layerwise_offload.offload.host import pinning
+from layerwise_offload.offload.memory import pinning
 
 GiB = 2**30
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from layerwise_offload.offload.host.ram import (
+from layerwise_offload.offload.memory.ram import (
     GiB, available_host_bytes, cgroup_headroom_bytes, meminfo_available_bytes, pinnable_bytes,
     system_available_bytes)
 

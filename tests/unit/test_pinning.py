@@ -13,8 +13,8 @@ import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import HostEnvironment, apply_layerwise_offload
-from layerwise_offload.offload.host.ram import GiB
-from layerwise_offload.offload.host.pinning import PinLedger, return_freed_host_memory
+from layerwise_offload.offload.memory.ram import GiB
+from layerwise_offload.offload.memory.pinning import PinLedger, return_freed_host_memory
 
 
 class RecordingPinner:
@@ -219,7 +219,7 @@ class FakeCudart:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    from layerwise_offload.offload.host import pinning
+    from layerwise_offload.offload.memory import pinning
     runtime = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
     monkeypatch.setattr(pinning, "_LAST_ERROR", [runtime.cudaGetLastError])
@@ -227,7 +227,7 @@ def fake_cuda(monkeypatch):
 
 
 def test_a_refused_registration_leaves_no_cuda_error_behind(fake_cuda):
-    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
+    from layerwise_offload.offload.memory.pinning import CudaHostRegisterPinner
     pinner = CudaHostRegisterPinner()
     buffer = torch.empty(3 * 4096, dtype=torch.uint8)
     assert pinner.register(buffer)
@@ -237,7 +237,7 @@ def test_a_refused_registration_leaves_no_cuda_error_behind(fake_cuda):
 
 def test_every_block_of_a_small_model_gets_its_own_pages(fake_cuda, sample_input):
     """Blocks far under a page each: heap buffers would share pages and all but the first be refused."""
-    from layerwise_offload.offload.host.pinning import CudaHostRegisterPinner
+    from layerwise_offload.offload.memory.pinning import CudaHostRegisterPinner
     model, manager = pinned_offload(CudaHostRegisterPinner())
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))

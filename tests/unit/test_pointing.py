@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from layerwise_offload.offload import apply_layerwise_offload
-from layerwise_offload.offload.blocks.weights import WrapperPointer, wrapper_inner
+from layerwise_offload.offload.weights import WrapperPointer, wrapper_inner
 
 
 def _quantized_store_test():

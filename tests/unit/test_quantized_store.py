@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_map
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import apply_layerwise_offload
 from layerwise_offload.offload.host.packing import ALIGNMENT_BYTES, HostStore, block_parameters, plan_layout
-from layerwise_offload.offload.blocks.weights import UnsupportedWeightError, register_storage_subclass
+from layerwise_offload.offload.weights import UnsupportedWeightError, register_storage_subclass
 
 
 class ScaledInt8(torch.Tensor):

@@ -9,6 +9,9 @@ locked are the bytes streamed, and unlocking gives them back with the buffer.
 A *pinner* does the locking: ``register(tensor) -> bool`` and ``unregister(tensor)``. The CUDA one
 calls the runtime; ComfyUI's (nodes/) goes through ComfyUI's own pin/unpin so its pinned total
 counts ours; tests pass a recording stand-in, so the ledger logic runs without a GPU.
+
+A pinned buffer that a device copy reads from may be refilled only once that copy has finished reading it:
+``copy_finished`` is that rule, for the disk tier's staging ring and the resident bounce buffers alike.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 
 log = logging.getLogger("layerwise_offload")
 
-__all__ = ["Pinner", "CudaHostRegisterPinner", "clear_cuda_error", "PinLedger", "default_pinner",
+__all__ = ["Pinner", "CudaHostRegisterPinner", "clear_cuda_error", "PinLedger", "copy_finished", "default_pinner",
            "return_freed_host_memory", "trim_after_next_collection"]
 
 
@@ -157,6 +160,18 @@ class PinLedger:
         _unpin_all(self.pinner, self._pinned)
         self._requested.clear()
         self.bytes_requested = 0
+
+
+def copy_finished(handle, wait: bool) -> bool:
+    """Whether the copy behind ``handle`` (a backend's ``CopyHandle``; None: no copy) has finished reading its source;
+    ``wait``: block the host until it has. What lets a host buffer be refilled."""
+    event = getattr(handle, "done", None)
+    if event is None:
+        return True
+    if wait:
+        event.synchronize()
+        return True
+    return bool(event.query())
 
 
 def _owner_dropped(pinner: Optional[Pinner], pinned: Dict[int, torch.Tensor]) -> None:
