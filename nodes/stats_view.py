@@ -50,6 +50,16 @@ def auto_plan_line(controller) -> Optional[str]:
     return f"auto: {plan.resident_count} blocks fit in the {free} free{act}"
 
 
+def host_store_line(controller) -> Optional[str]:
+    """Where the blocks' host copies went and why (the packing's plan: RAM short, the disk fast enough or too slow,
+    with its read rate), where that was a choice; None where every block simply fit in RAM."""
+    host = getattr(getattr(controller, "manager", None), "host", None)
+    plan = getattr(host, "tier_plan", None)
+    if plan is None or not plan.reason:
+        return None
+    return f"host store: {plan.disk_blocks} of {len(plan.disk)} blocks on disk ({plan.reason})"
+
+
 def _picture(report, controller) -> dict:
     card = _card_bytes(controller.device)
     ram_total = _total_ram()
@@ -93,7 +103,8 @@ def stats_view(model, after_connected: bool = True) -> Tuple[str, dict]:
                       "lines": [line]}
     plan = auto_plan_line(controller) if controller.auto else None
     # Under the picture: what its bars do not show (the memory line is the VRAM and RAM bars).
-    caption = [report.copy_line()] + ([plan] if plan else []) + report.notes()
+    tiers = host_store_line(controller)
+    caption = [report.copy_line()] + ([plan] if plan else []) + ([tiers] if tiers else []) + report.notes()
     if controller.last_recommendation:
         caption.append(f"advice: {controller.last_recommendation}")
     if not after_connected:

@@ -15,6 +15,16 @@ fits, every block stays in RAM. Otherwise (weights that packing cannot free: a m
 storages) it keeps blocks in RAM while the host keeps ``margin`` free after packing, and puts the rest on disk,
 the blocks latest in the step first (the leading ones are the residents, read back most often when ComfyUI asks
 for VRAM back). Among the plans it considers it takes one that fits over one that does not.
+
+How fast the disk reads decides part of that (:mod:`.read_rate`: measured once per file system, or
+``$LAYERWISE_OFFLOAD_DISK_READ_RATE``). The blocks RAM leaves no choice for go to disk whatever the disk: those
+without which packing would not fit or would leave less than :data:`RAM_FLOOR_BYTES` free. The further blocks that
+only keep the margin (:data:`RAM_MARGIN_BYTES`) go to disk only as far as reading them every step takes at most
+:data:`DISK_STALL_BUDGET_S` (a disk block is read once per step where it is streamed, and the reads are counted
+as if none hid behind compute: the chunked ring reads little ahead); the rest stay in RAM, and the host keeps less
+than the margin free. The budget is a time, not a share of the step: packing happens when the model loads, before
+any latent says how long a step computes. The plan's ``reason`` says which blocks went where and why, with the
+rate and the predicted read time per step (the packing log line and the Stats node show it).
 """
 
 from __future__ import annotations
@@ -28,15 +38,22 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .checkpoint import is_mapped
 from ..config import HOST_STORES
 from .mappings import MappedFiles
+from .read_rate import format_rate
+from ..planner import format_bytes
 
-__all__ = ["HOST_STORES", "PACKING_SLACK_BYTES", "RAM_MARGIN_BYTES", "TierPlan", "freed_by_packing",
-           "plan_host_tiers", "refusal"]
+__all__ = ["DISK_STALL_BUDGET_S", "HOST_STORES", "PACKING_SLACK_BYTES", "RAM_FLOOR_BYTES", "RAM_MARGIN_BYTES",
+           "TierPlan", "freed_by_packing", "plan_host_tiers", "refusal"]
 
 
 # Allocator rounding, Python objects, the packing loop's own temporaries: what packing may take beyond its bytes.
 PACKING_SLACK_BYTES = 64 * 2**20
-# Auto keeps this much host memory free after packing (ComfyUI, the sampler and the OS still need some).
+# Auto keeps this much host memory free after packing (ComfyUI, the sampler and the OS still need some)...
 RAM_MARGIN_BYTES = 512 * 2**20
+# ... where the disk is fast enough; on a slower disk only this much (RAM then leaves no choice).
+RAM_FLOOR_BYTES = 256 * 2**20
+# What the blocks auto puts on disk only to keep its margin may cost a step in reads: half a second, about half a
+# Flux-dev step on an RTX 4090 (an NVMe SSD reads a GB or more in it, an HDD less than one bf16 Flux block).
+DISK_STALL_BUDGET_S = 0.5
 
 
 def _holders(tensor: torch.Tensor, out: List[torch.Tensor]) -> None:
@@ -93,6 +110,7 @@ class TierPlan:
     available_bytes: Optional[int]
     margin_bytes: int
     reason: str = ""
+    read_rate: Optional[float] = None  # bytes per second of the disk blocks' file system, where it was asked for
 
     @property
     def disk_blocks(self) -> int:
@@ -129,13 +147,18 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
                     ring_bytes: Optional[Callable[[Tuple[bool, ...]], int]] = None, margin: int = RAM_MARGIN_BYTES,
                     waiting: Optional[Sequence[bool]] = None, already_disk: Sequence[bool] = (),
                     chunk_bytes: int = 0, slack: int = PACKING_SLACK_BYTES,
-                    padding_bytes: Sequence[int] = ()) -> TierPlan:
+                    padding_bytes: Sequence[int] = (),
+                    read_rate: Optional[Callable[[], Tuple[Optional[float], str]]] = None,
+                    stall_budget_s: float = DISK_STALL_BUDGET_S, floor: int = RAM_FLOOR_BYTES) -> TierPlan:
     """Choose each block's tier for ``mode`` (auto | ram | disk) and the cost of packing.
 
     ``sizes``: packed bytes per block; ``freed``: bytes of ComfyUI's copy each block's packing frees;
     ``ring_bytes(disk)``: the staging ring's bytes for a tier choice; ``waiting``: blocks not packed yet (the
     others cost nothing more and keep their tier, ``already_disk``); ``chunk_bytes``: the buffer a disk block is
     written through (0: the whole block); ``padding_bytes``: per block, the alignment padding among its bytes.
+    ``read_rate()``: (bytes per second, how it was found, in words) of the file system the disk blocks are read
+    from (None: unknown), asked only where some block may go to disk; auto weighs its optional disk blocks by it
+    (``stall_budget_s``, ``floor``: see the module docstring).
     """
     if mode not in HOST_STORES:
         raise ValueError(f"host_store must be one of {', '.join(HOST_STORES)}, got {mode!r}")
@@ -143,47 +166,111 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     waiting = tuple(waiting) if waiting is not None else (True,) * n
     fixed = tuple(already_disk) + (False,) * (n - len(already_disk))
     ring = ring_bytes or (lambda disk: 0)
+    rate_known: List[Tuple[Optional[float], str]] = []
+
+    def rate() -> Tuple[Optional[float], str]:
+        if not rate_known:
+            rate_known.append(read_rate() if read_rate is not None else (None, "not measured"))
+        return rate_known[0]
 
     def plan(disk: Tuple[bool, ...], reason: str = "") -> TierPlan:
         costs = [(s, f, d) for s, f, d, w in zip(sizes, freed, disk, waiting) if w]
         needs_ring = any(d for _, _, d in costs) and not any(fixed)
         peak, growth = _costs([c[0] for c in costs], [c[1] for c in costs], [c[2] for c in costs],
                               ring(disk) if needs_ring else 0, chunk_bytes)
-        return TierPlan(disk, peak, growth, ring(disk) if any(disk) else 0, available, margin, reason)
+        known = rate_known[0][0] if rate_known else None
+        return TierPlan(disk, peak, growth, ring(disk) if any(disk) else 0, available, margin, reason, known)
 
     def fits(candidate: TierPlan) -> bool:
         return candidate.shortfall(slack) is None
 
+    def reading(disk: Sequence[bool], said: bool = False) -> str:
+        """What reading the disk blocks costs a step, in words (``said``: how the rate was found is said already)."""
+        nbytes = sum(s for s, d in zip(sizes, disk) if d)
+        per_s, how = rate()
+        if per_s is None:
+            return "" if said else f"the disk's read rate is unknown ({how})"
+        return (f"reading their {_size(nbytes)} takes {_seconds(nbytes / per_s)} per step where all are "
+                f"streamed, at {format_rate(per_s)}" + ("" if said else f" ({how})"))
+
     if mode == "ram":
         return plan(tuple(f and not w for f, w in zip(fixed, waiting)))
     if mode == "disk":
-        return plan((True,) * n, "host_store = disk")
+        every = (True,) * n
+        return plan(every, f"host_store = disk; {reading(every)}")
     # The store aligns each tensor (host_store.ALIGNMENT_BYTES): its bytes exceed ComfyUI's by that padding alone.
     padding = sum(p for p, w in zip(padding_bytes or (0,) * n, waiting) if w)
 
     def as_comfyui_alone(candidate: TierPlan) -> bool:
         return candidate.growth_bytes <= padding and fits(candidate)
 
-    disk = [f and not w for f, w in zip(fixed, waiting)]
-    in_ram = plan(tuple(disk))
+    start = tuple(f and not w for f, w in zip(fixed, waiting))
+    in_ram = plan(start)
     if available is None or as_comfyui_alone(in_ram) or available - in_ram.growth_bytes >= margin:
         return in_ram  # no more RAM than ComfyUI's copy held, or the margin kept with every block in RAM
-    best = in_ram
-    for index in reversed(range(n)):
-        if disk[index] or not waiting[index]:
-            continue
-        disk[index] = True
-        best = plan(tuple(disk))
-        if available - best.growth_bytes >= margin or as_comfyui_alone(best):
-            break
+    # The blocks latest in the step go first (the leading ones are the residents).
+    order = [i for i in reversed(range(n)) if not start[i] and waiting[i]]
+
+    def with_disk(count: int) -> TierPlan:
+        disk = list(start)
+        for index in order[:count]:
+            disk[index] = True
+        return plan(tuple(disk))
+
+    def fewest(keeps: Callable[[TierPlan], bool]) -> int:
+        """The fewest blocks on disk, in ``order``, that leave a plan ``keeps`` accepts (all of them if none does)."""
+        return next((count for count in range(len(order) + 1) if keeps(with_disk(count))), len(order))
+
+    keeps_margin = fewest(lambda p: available - p.growth_bytes >= margin or as_comfyui_alone(p))
+    # RAM leaves no choice below the floor, or where packing would not fit at all.
+    forced = fewest(lambda p: (available - p.growth_bytes >= min(floor, margin) and fits(p)) or as_comfyui_alone(p))
+    optional = order[forced:keeps_margin]
+    count, why = max(forced, keeps_margin), ""
+    if optional:
+        per_s, how = rate()
+        optional_bytes = sum(sizes[i] for i in optional)
+        if per_s is not None and optional_bytes / per_s > stall_budget_s:
+            afford, spent = 0, 0
+            for index in optional:  # the disk blocks it reads within the budget, in the same order
+                if (spent + sizes[index]) / per_s > stall_budget_s:
+                    break
+                spent += sizes[index]
+                afford += 1
+            count = forced + afford
+            why = (f"disk too slow for auto's {margin / 2**20:.0f} MiB RAM margin: {len(optional) - afford} blocks "
+                   f"that keep it would take {_seconds((optional_bytes - spent) / per_s)} more per step to read at "
+                   f"{format_rate(per_s)} ({how}), over the {_seconds(stall_budget_s)} auto allows, so they stay "
+                   f"in RAM")
+        else:
+            why = (f"disk fast enough: {len(optional)} blocks on disk keep auto's {margin / 2**20:.0f} MiB RAM margin "
+                   f"({_size(optional_bytes)}, " + (f"{_seconds(optional_bytes / per_s)} per step at "
+                   f"{format_rate(per_s)} ({how}), within the {_seconds(stall_budget_s)} auto allows)"
+                   if per_s is not None else f"read rate unknown: {how})"))
+    best = with_disk(count)
     if not fits(best) and fits(in_ram):
         best = in_ram  # the disk plan's ring does not fit where packing into RAM does
-    if not best.disk_blocks:
+    if not best.disk_blocks and not why:
         return best
     free_after = available - best.growth_bytes
-    reason = (f"host RAM: {available / 2**20:.0f} MiB available, {margin / 2**20:.0f} MiB kept free; "
-              f"{free_after / 2**20:.0f} MiB left with {best.disk_blocks} blocks on disk")
-    return TierPlan(best.disk, best.peak_bytes, best.growth_bytes, best.ring_bytes, available, margin, reason)
+    forced_words = (f"RAM short: {forced} blocks must go to disk to leave {min(floor, margin) / 2**20:.0f} MiB "
+                    f"free" if forced else "")
+    head = (f"host RAM: {available / 2**20:.0f} MiB available, {free_after / 2**20:.0f} MiB left with "
+            f"{best.disk_blocks} blocks on disk")
+    parts = [head] + [words for words in (forced_words, why) if words]
+    if best.disk_blocks:
+        parts.append(reading(best.disk, said=bool(why)))
+    known = rate_known[0][0] if rate_known else None
+    return TierPlan(best.disk, best.peak_bytes, best.growth_bytes, best.ring_bytes, available, margin,
+                    "; ".join(parts), known)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else (
+        f"{nbytes / 2**20:.0f} MiB" if nbytes >= 10 * 2**20 else format_bytes(nbytes))
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f} s" if value >= 0.1 else f"{value * 1e3:.2f} ms"
 
 
 def refusal(plan: TierPlan, settings: str, ring: str, num_blocks: int,

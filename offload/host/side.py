@@ -17,6 +17,8 @@ from ..disk.cache_file import disk_tier_unsupported
 from ..disk import tier as disk_tier
 from ..disk.tier import CHUNK_BYTES, DiskSource, DiskTier, staging_ring_bytes
 from ..disk.mappings import MappedFiles, checkpoint_extents
+from ..disk.checkpoint import locate
+from ..disk.read_rate import disk_read_rate
 from ..memory.ram import available_host_bytes, pinnable_bytes
 from ..memory.pinning import default_pinner, return_freed_host_memory
 from .packing import HostStore, _packed_sources, block_parameters, params_are_inference, plan_layout
@@ -224,9 +226,9 @@ class HostSide:
         mapped_files = MappedFiles() if indices else None
         if indices:
             plan = self.tier_plan = self._plan_tiers(indices, mapped_files=mapped_files)
-            if plan.disk_blocks:
-                log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s) in %s", plan.disk_blocks,
-                         len(self.blocks), plan.reason, self._disk_folder())
+            if plan.reason:  # blocks on disk, or kept in RAM off a slow disk: which, and why
+                log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s); cache folder %s",
+                         plan.disk_blocks, len(self.blocks), plan.reason, self._disk_folder())
         if indices:  # the blocks bound for disk first: they free ComfyUI's copies before any RAM block needs room
             indices = sorted(indices, key=lambda i: not self.tier_plan.disk[i])
         for done, index in enumerate(indices, 1):
@@ -275,7 +277,25 @@ class HostSide:
             ring_bytes=lambda tiers: staging_ring_bytes(max((s for s, d in zip(sizes, tiers) if d), default=0), ring),
             margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(len(self.blocks))], chunk_bytes=CHUNK_BYTES,
             padding_bytes=padding,
-            already_disk=[disk is not None and disk.holds(i) for i in range(len(self.blocks))])
+            already_disk=[disk is not None and disk.holds(i) for i in range(len(self.blocks))],
+            read_rate=lambda: self._read_rate(named, waiting, mapped_files))
+
+    def _read_rate(self, named, waiting: Sequence[int], mapped_files: Optional[MappedFiles]):
+        """(bytes per second, in words) of the file system the disk blocks would be read from: the checkpoint where
+        the block latest in the step (the first to go to disk) is a mapped file's bytes, else the cache folder.
+        (None, why) where it cannot be measured: the disk tier then fails with its own message, if used at all."""
+        path = None
+        for _, param in named[max(waiting, default=len(named) - 1)]:
+            where = locate(param) or (mapped_files.locate(param) if mapped_files is not None else None)
+            if where is not None:
+                path = where[0]
+                break
+        path = path or self._disk_folder()
+        try:
+            rate = disk_read_rate(path)
+        except OSError as error:
+            return None, f"not measurable on {path}: {error}"
+        return rate.bytes_per_s, rate.how
 
     def _available_bytes(self) -> Optional[int]:
         probe = self.environment.available_host_bytes
