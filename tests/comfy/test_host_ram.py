@@ -8,7 +8,7 @@ import comfy.sd
 
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.host_ram import ComfyUIPinner
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
 from layerwise_offload.nodes.advice import block_tiers
@@ -110,6 +110,39 @@ def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
     stored = sum(controller.manager.block_nbytes())
     assert f"{len(blocks)} blocks on disk: " in figures and "read per step at" in figures, figures
     assert controller.last_report.disk_bytes_read >= stored - sum(controller.manager.block_nbytes()[:2])
+    from layerwise_offload.nodes.stats_view import stats_view
+    text, _ = stats_view(offloaded)  # the packing's plan, with the disk's read rate (measured here)
+    assert f"host store: {len(blocks)} of {len(blocks)} blocks on disk (host_store = disk; reading their " in text, text
+    assert " per step where all are streamed, at " in text and "measured on " in text, text
+    del held
+
+
+@pytest.mark.parametrize("rate, fast", [("1kB/s", False), ("3GB/s", True)])
+def test_auto_weighs_the_disks_read_rate_and_the_stats_node_says_why(monkeypatch, tmp_path, rate, fast):
+    """Packing frees nothing (another holder keeps ComfyUI's copy) and every block in RAM would leave less than
+    auto's margin free, but more than its floor: the blocks that keep the margin go to disk on a fast disk and stay
+    in RAM on a slow one (the rate set by $LAYERWISE_OFFLOAD_DISK_READ_RATE), bitwise either way; the Stats node
+    says which and why."""
+    from layerwise_offload.nodes.stats_view import stats_view
+    from layerwise_offload.offload.disk.budget import RAM_MARGIN_BYTES
+    monkeypatch.setenv("LAYERWISE_OFFLOAD_DISK_DIR", str(tmp_path))
+    monkeypatch.setenv("LAYERWISE_OFFLOAD_DISK_READ_RATE", rate)
+    want = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
+    mm.unload_all_models()
+    model = tiny_dits.build_tiny("wan21")
+    blocks = model.get_model_object("diffusion_model").blocks
+    held = [p.data for p in blocks.parameters()]  # another holder of ComfyUI's copy: packing frees nothing
+    _available(monkeypatch, RAM_MARGIN_BYTES + sum(t.nbytes for t in held) - 1)
+    offloaded = offload_model(model, 1, 1, "leading", True, "auto")
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
+    tiers = controller_of(offloaded).manager.host.tiers()
+    on_disk = tiers.count("disk")
+    assert tiers == ["ram"] * (len(blocks) - on_disk) + ["disk"] * on_disk and (on_disk > 0) == fast
+    text, data = stats_view(offloaded)
+    line = f"host store: {on_disk} of {len(blocks)} blocks on disk ("
+    assert line in text and any(line in caption for caption in data["caption"]), text
+    why = "disk fast enough" if fast else "disk too slow for auto's 512 MiB RAM margin"
+    assert why in text and f"set by $LAYERWISE_OFFLOAD_DISK_READ_RATE" in text, text
     del held
 
 
