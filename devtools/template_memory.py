@@ -146,16 +146,18 @@ def plan_for(plans: Dict, key: str) -> Dict:
 
 def disk_tier_ram_bytes(plans: Dict, t: Dict) -> int:
     """System RAM with every streamed block on disk (host_store disk, the weights left in the file by Load
-    Diffusion Model (Layerwise)): each expert's non-block weights and staging ring (prefetch + 2 of its largest
-    blocks, page-padded), the text encoder, VAE and ComfyUI. Residents are read from the file when the plan is
-    armed, so they need no RAM of their own."""
-    ring = (t["prefetch"] + 2) * (-(-max(t["block_bytes"]) // 4096) * 4096)
+    Diffusion Model (Layerwise)): each expert's non-block weights and the disk tier's staging ring (a few fixed
+    chunks whatever the block size: the engine's own ``staging_ring_bytes``), the text encoder, VAE and ComfyUI.
+    Residents are read from the file when the plan is armed, so they need no RAM of their own."""
+    from ..offload.disk.tier import staging_ring_bytes
+
+    ring = staging_ring_bytes(max(t["block_bytes"]))
     other = t["ram_bytes"] - t["dit_bytes"]  # text encoder + VAE + the process
     return t["experts"] * (t["non_block_bytes"] + ring) + other
 
 
 def markdown_table(plans: Dict) -> List[str]:
-    """The README's table (pure: reads a plans dict, imports nothing)."""
+    """The README's table from a plans dict (imports no ComfyUI)."""
     cards = plans["cards_gib"]
     lines = ["| template | blocks (avg size) | DiT in RAM | RAM needed | RAM needed with the disk tier | activations | "
              + " | ".join(f"-1 on {c} GB" for c in cards) + " |",
