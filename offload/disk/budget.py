@@ -241,11 +241,13 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
                    f"that keep it would take {_seconds((optional_bytes - spent) / per_s)} more per step to read at "
                    f"{format_rate(per_s)} ({how}), over the {_seconds(stall_budget_s)} auto allows, so they stay "
                    f"in RAM")
+        elif per_s is None:
+            why = (f"the disk's read rate is unknown ({how}): {len(optional)} blocks on disk keep auto's "
+                   f"{margin / 2**20:.0f} MiB RAM margin, as on a fast disk")
         else:
             why = (f"disk fast enough: {len(optional)} blocks on disk keep auto's {margin / 2**20:.0f} MiB RAM margin "
-                   f"({_size(optional_bytes)}, " + (f"{_seconds(optional_bytes / per_s)} per step at "
-                   f"{format_rate(per_s)} ({how}), within the {_seconds(stall_budget_s)} auto allows)"
-                   if per_s is not None else f"read rate unknown: {how})"))
+                   f"({_size(optional_bytes)}, {_seconds(optional_bytes / per_s)} per step at {format_rate(per_s)} "
+                   f"({how}), within the {_seconds(stall_budget_s)} auto allows)")
     best = with_disk(count)
     if not fits(best) and fits(in_ram):
         best = in_ram  # the disk plan's ring does not fit where packing into RAM does

@@ -62,14 +62,14 @@ def test_the_rate_is_measured_once_per_file_system_and_leaves_no_file(tmp_path, 
     forget_measured_rates()
 
 
-def tiers(rate, available, mode="auto", sizes=(BLOCK,) * NUM_BLOCKS):
+def tiers(rate, available, mode="auto", sizes=(BLOCK,) * NUM_BLOCKS, how="given"):
     """Auto's plan for blocks whose packing frees nothing (a mapped checkpoint's), on a disk of ``rate``; the rate is
     asked for at most once, and only where some block may go to disk."""
     asked = []
 
     def read_rate():
         asked.append(True)
-        return rate, "given"
+        return rate, how
     plan = plan_host_tiers(list(sizes), [0] * len(sizes), mode, available, read_rate=read_rate)
     assert len(asked) <= 1
     return plan, bool(asked)
@@ -127,8 +127,8 @@ def test_host_store_disk_is_honoured_on_a_slow_disk_and_ram_never_asks_the_disk(
 
 
 def test_an_unknown_rate_keeps_the_margin_as_before():
-    plan, _ = tiers(None, IN_MARGIN_BAND)
-    assert plan.disk == (False,) * 9 + (True,) * 3 and "read rate unknown" in plan.reason
+    plan, _ = tiers(None, IN_MARGIN_BAND, how="not measurable on /nowhere: [Errno 30] Read-only file system")
+    assert plan.disk == (False,) * 9 + (True,) * 3 and "the disk's read rate is unknown (not measurable" in plan.reason
 
 
 @pytest.mark.parametrize("setting, fast", [("1kB/s", False), ("3GB/s", True)])
@@ -154,4 +154,29 @@ def test_the_manager_follows_the_setting_and_computes_the_same(tmp_path, monkeyp
     line = next(r.getMessage() for r in caplog.records if "host store:" in r.getMessage())
     assert line.startswith(f"[layerwise-offload] host store: {on_disk} of {len(sizes)} blocks on disk")
     assert ("disk fast enough" if fast else "disk too slow") in line and DISK_READ_RATE_ENV in line
+    manager.detach()
+
+
+def test_blocks_read_from_a_checkpoint_measure_the_checkpoints_file_system(tmp_path, monkeypatch):
+    """Mapped weights are read back from the checkpoint, not a cache file: its file is what the probe reads (a file
+    too small to time is not kept, and the plan says the rate is unknown)."""
+    from safetensors.torch import save_file
+
+    from layerwise_offload.offload import CheckpointFile
+    monkeypatch.delenv(DISK_READ_RATE_ENV, raising=False)
+    path = tmp_path / "models" / "toy.safetensors"
+    path.parent.mkdir()
+    save_file({k: v.contiguous() for k, v in ToyTransformer().state_dict().items()}, str(path))
+    model = ToyTransformer()
+    model.load_state_dict(CheckpointFile(str(path)).state_dict(), assign=True)
+    asked = []
+    monkeypatch.setattr("layerwise_offload.offload.host.side.disk_read_rate",
+                        lambda where: asked.append(where) or disk_read_rate(where))
+    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=0, host_store="disk",
+                                      environment=HostEnvironment(disk_folder=str(tmp_path / "cache"),
+                                                                  available_host_bytes=lambda: 2**40))
+    manager.prepare()
+    assert asked and set(asked) == {str(path)}
+    assert "the disk's read rate is unknown (not measurable on" in manager.host.tier_plan.reason
+    assert "too small to measure" in manager.host.tier_plan.reason
     manager.detach()
