@@ -176,7 +176,7 @@ class Harness:
         self._forward_hook = self.diffusion_model.register_forward_pre_hook(count_forward)
 
     def _offload(self, resident, prefetch, policy):
-        from ..nodes.offload_node import offload_model
+        from ..nodes.controller import offload_model
         return offload_model(self.patcher, resident, prefetch, policy, True)
 
     def teardown(self):

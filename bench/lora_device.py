@@ -53,7 +53,7 @@ def main() -> None:
     import comfy.model_management as mm
     from ..devtools import tiny_dits
     from ..nodes import controller as controller_module
-    from ..nodes.offload_node import offload_model
+    from ..nodes.controller import offload_model
 
     dtype = torch.float32 if args.device == "cpu" else torch.bfloat16
     config = dict(tiny_dits.WAN21_TINY_CONFIG, dim=args.dim, num_heads=args.dim // 128, ffn_dim=4 * args.dim,

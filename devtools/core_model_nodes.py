@@ -178,7 +178,7 @@ def compare(node: CoreNode, variant: Variant, family: str, runs=ALL_RUNS) -> Ite
     ``runs``; result "bitwise", what differed, or (placement "reference") why the variant does not apply to
     ``family``: it fails without the offload node too."""
     import torch
-    from ..nodes.offload_node import offload_model
+    from ..nodes.controller import offload_model
     from . import tiny_dits
     mm = import_comfyui().model_management
     shape = tiny_dits.TINY_FAMILIES[family].latent_shape

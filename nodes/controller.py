@@ -1,4 +1,5 @@
-"""One offload per node output: the shared manager of a diffusion model, plus this output's settings.
+"""The node's work (:func:`offload_model`), and one offload per node output: the shared manager of a diffusion
+model, plus this output's settings.
 
 Several node outputs may offload the same loaded model (a changed input re-runs the node, two
 branches use different settings). They share one manager per diffusion model, so the host store
@@ -18,22 +19,27 @@ import torch
 from torch import nn
 
 import comfy.model_management
+import comfy.patcher_extension
 
-from ..offload import (HostEnvironment, LayerwiseOffloadManager, OffloadConfig, Schedule, available_host_bytes, block_width,
+from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, available_host_bytes, block_width,
                        choose_resident_blocks, cuda_graph_refusal, describe, format_bytes, forward_activation_bytes,
-                       largest_fitting, normalize_device, plan_residency, point_param_at, resolve_resident_count,
-                       return_freed_host_memory, weight_nbytes)
+                       largest_fitting, normalize_device, plan_residency, point_param_at, return_freed_host_memory,
+                       weight_nbytes)
 from ..offload import SETTINGS, ModelCosts, block_flops, choose_plan, gpu_for
 from .advice import activation_words, recommend
-from .discovery import DiscoveredBlocks
-from .host_ram import compact_backups, comfyui_disk_folder, comfyui_pin_cap_left, comfyui_pinner, packing_progress_bar
+from .device_support import device_support
+from .discovery import DiscoveredBlocks, discover_blocks
+from .dynamic_vram import non_dynamic_patcher, watch_clones
+from .host_ram import compact_backups, comfyui_host_environment, packing_progress_bar
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
 from .load_decisions import apply_cast_decisions, comfyui_load_decisions
+from .offload_node import AUTO_POLICY, AUTO_RESIDENT, DISPLAY_NAME, host_store_problem
+from .patcher import make_offloaded_clone
 from .run_report import run_report
+from .stats_view import PASSTHROUGH_ATTACHMENT
 
 log = logging.getLogger("layerwise_offload")
 
-AUTO_RESIDENT = -1  # resident_layers value that asks for the automatic plan
 # Auto keeps the resident count it holds when a new run's plan would add this many blocks or fewer (and the held
 # count still fits); shrinking to fit always happens. See OffloadController._held_if_close.
 AUTO_GROW_HYSTERESIS = 1
@@ -41,6 +47,58 @@ AUTO_GROW_HYSTERESIS = 1
 _MANAGERS: "weakref.WeakKeyDictionary[nn.Module, LayerwiseOffloadManager]" = weakref.WeakKeyDictionary()
 
 DIFFUSION_MODEL_PREFIX = "diffusion_model."
+
+
+def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy=AUTO_POLICY, pin_memory=True,
+                  host_store="auto"):
+    """The node's work: a clone of ``model`` whose transformer blocks are managed by the offload."""
+    problem = host_store_problem(host_store)
+    if problem is not None:
+        raise ValueError(f"[layerwise-offload] {problem}")
+    auto = resident_layers == AUTO_RESIDENT
+    if auto:
+        resident_layers = 0  # until the first forward, when the free VRAM and the latent are known
+    # Page-locking only speeds up copies to an accelerator; on the CPU loopback it would only warn.
+    pin = bool(pin_memory) and not comfy.model_management.is_device_cpu(model.load_device)
+    auto_setting = residency_policy == AUTO_POLICY
+    config = OffloadConfig(resident_layers=resident_layers, prefetch_size=prefetch_size,
+                           policy="leading" if auto_setting else residency_policy, pin_memory=pin, host_store=host_store)
+    discover_blocks(model.get_model_object("diffusion_model"))  # a non-DiT fails here, before anything else
+    support = device_support(model.load_device)
+    if not support.offloads:
+        return passed_through(model, support)
+    model = non_dynamic_patcher(model)
+    base_model = model.model
+    diffusion_model = model.get_model_object("diffusion_model")
+    discovered = discover_blocks(diffusion_model)
+    controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto,
+                                   auto_setting=auto_setting)
+    # Planned under this output's settings: the shared manager may still hold another output's.
+    refusal = controller.manager.shortfall(controller.config, (
+        f"{DISPLAY_NAME}: resident_layers={-1 if auto else resident_layers}, prefetch_size={prefetch_size}, "
+        f"residency_policy={residency_policy}, pin_memory={pin_memory}, host_store={host_store}"))
+    if refusal is not None:  # here, so ComfyUI reports it against this node and its settings, not the sampler
+        raise MemoryError(refusal)
+    log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, %s, host_store=%s",
+             type(diffusion_model).__name__, discovered.family, len(discovered), "+".join(discovered.attributes),
+             "auto" if auto else config.resident_count(len(discovered)), prefetch_size,
+             residency_policy, "pinned RAM" if pin else "CPU loopback: nothing to pin" if support.device_type == "cpu"
+             else "pin_memory off", host_store)
+    offloaded = make_offloaded_clone(model, controller)
+    watch_clones(offloaded)
+    return offloaded
+
+
+def passed_through(model, support):
+    """``model`` unchanged, marked so the Stats node and the run line say why nothing was offloaded."""
+    log.info("[layerwise-offload] %s%s", support.reason, f" ({support.hint})" if support.hint else "")
+    clone = model.clone()
+    clone.attachments[PASSTHROUGH_ATTACHMENT] = support
+    key = PASSTHROUGH_ATTACHMENT
+    clone.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_CLEANUP, key)
+    clone.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_CLEANUP, key,
+                                lambda patcher: log.info("[layerwise-offload] run: %s", support.reason))
+    return clone
 
 
 def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
@@ -52,20 +110,6 @@ def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, dev
         manager = LayerwiseOffloadManager(discovered.blocks, device, config, comfyui_host_environment())
         _MANAGERS[diffusion_model] = manager
     return manager
-
-
-def comfyui_pinned_memory_cap(own_pinned_bytes: int = 0) -> Optional[int]:
-    """What ComfyUI's limit on pinned host memory leaves for this model (``--disable-pinned-memory`` gives 0)."""
-    if comfy.model_management.is_device_cpu(comfy.model_management.get_torch_device()):
-        return None
-    return comfyui_pin_cap_left(own_pinned_bytes)
-
-
-def comfyui_host_environment() -> HostEnvironment:
-    """The host as ComfyUI runs it: its pinner and pinned-memory cap, its temp folder for the disk tier."""
-    pinner = comfyui_pinner()
-    return HostEnvironment(pin_cap=comfyui_pinned_memory_cap, disk_folder=comfyui_disk_folder(),
-                           **({} if pinner is None else {"pinner": pinner}))
 
 
 def _gib(nbytes: int) -> str:
@@ -110,7 +154,7 @@ class OffloadController:
         """This output's settings, with the resident count lowered to what ComfyUI's budget allows."""
         if self.resident_cap is None:
             return self.config
-        count = resolve_resident_count(self.config.resident_layers, self.manager.num_blocks)
+        count = self.config.resident_count(self.manager.num_blocks)
         return dataclasses.replace(self.config, resident_layers=min(count, self.resident_cap))
 
     def _use_own_settings(self) -> None:
@@ -132,7 +176,7 @@ class OffloadController:
 
     def planned_footprint(self) -> int:
         """What ComfyUI is told this model needs on the device (``model_size()``)."""
-        count = resolve_resident_count(self._effective_config().resident_layers, self.manager.num_blocks)
+        count = self._effective_config().resident_count(self.manager.num_blocks)
         return self.non_block_bytes() + self._planned_block_bytes(count) + self.device_lora_scratch
 
     def host_ram_bytes(self) -> int:
@@ -252,7 +296,7 @@ class OffloadController:
         # ComfyUI allows this model what it had loaded plus extra_memory; the non-block weights just
         # placed take their share first.
         budget = int(loaded_before) + int(extra_memory) - self.non_block_bytes() - self.device_lora_scratch
-        wanted = resolve_resident_count(self.config.resident_layers, self.manager.num_blocks)
+        wanted = self.config.resident_count(self.manager.num_blocks)
         if self.auto:
             wanted = self.manager.num_blocks  # auto plans at the first forward; the budget still caps it
         count = largest_fitting(lambda c: self._planned_block_bytes(c) <= budget, wanted)
@@ -313,7 +357,7 @@ class OffloadController:
             candidates = [(policy, prefetch, plan.resident_count) for (policy, prefetch), plan in plans.items()
                           if plan.fits]
         else:
-            count = resolve_resident_count(self._effective_config().resident_layers, len(sizes))
+            count = self._effective_config().resident_count(len(sizes))
             budget = free - reserve - activations.nbytes - self.device_lora_scratch
             candidates = [(policy, prefetch, count) for policy, prefetch in settings
                           if Schedule(choose_resident_blocks(len(sizes), count, policy)).device_bytes(
@@ -397,7 +441,6 @@ class OffloadController:
     def rebound(self, patcher) -> "OffloadController":
         """This output's offload for a clone that holds another model object (newer ComfyUI's
         ``clone(model_override=...)``, its multi-GPU copies): the same settings over that model's blocks."""
-        from .discovery import discover_blocks
         diffusion_model = patcher.model.diffusion_model
         controller = OffloadController(patcher.model, discover_blocks(diffusion_model), patcher.load_device,
                                        self.config, auto=self.auto, auto_setting=self.auto_setting)

@@ -1,4 +1,6 @@
-"""ComfyUI's side of the host memory: its pinned-memory accounting, and its LoRA backups.
+"""ComfyUI's side of the host memory: the host environment the manager is given (``comfyui_host_environment``:
+ComfyUI's pinner, what its pinned-memory cap leaves, its temp folder for the disk tier), its pinned-memory
+accounting, and its LoRA backups.
 
 - Pinning goes through ComfyUI's own ``pin_memory`` / ``unpin_memory`` (0.3.75 and later), so the
   store's page-locked bytes count in ComfyUI's ``TOTAL_PINNED_MEMORY`` and its ``MAX_PINNED_MEMORY``
@@ -19,7 +21,7 @@ from torch import nn
 
 import comfy.model_management
 
-from ..offload import clear_cuda_error, weight_parts
+from ..offload import HostEnvironment, clear_cuda_error, weight_parts
 
 
 class ComfyUIPinner:
@@ -83,6 +85,20 @@ def evictable_pinned_bytes() -> int:
         if patcher is not None and patcher.is_dynamic() and hasattr(patcher, "pinned_memory_size"):
             total += int(patcher.pinned_memory_size())
     return total
+
+
+def comfyui_pinned_memory_cap(own_pinned_bytes: int = 0) -> Optional[int]:
+    """What ComfyUI's limit on pinned host memory leaves for this model (``--disable-pinned-memory`` gives 0)."""
+    if comfy.model_management.is_device_cpu(comfy.model_management.get_torch_device()):
+        return None
+    return comfyui_pin_cap_left(own_pinned_bytes)
+
+
+def comfyui_host_environment() -> HostEnvironment:
+    """The host as ComfyUI runs it: its pinner and pinned-memory cap, its temp folder for the disk tier."""
+    pinner = comfyui_pinner()
+    return HostEnvironment(pin_cap=comfyui_pinned_memory_cap, disk_folder=comfyui_disk_folder(),
+                           **({} if pinner is None else {"pinner": pinner}))
 
 
 def compact_backups(patcher, keys: Iterable[str], buffers: Iterable[Optional[torch.Tensor]]) -> int:

@@ -1,23 +1,13 @@
-"""The LayerwiseOffload node: what it checks and what it hands back. Node classes stay thin over this."""
+"""The LayerwiseOffload node's words, defaults and checks, and the Stats node's output. Node classes stay thin over
+this and over :func:`nodes.controller.offload_model`, the node's work."""
 
 from __future__ import annotations
 
-import logging
 import os
 
-import comfy.model_management
-import comfy.patcher_extension
-
-from ..offload import (DISK_DIR_ENV, HOST_STORES, POLICIES, OffloadConfig, disk_tier_unsupported, remove_stale_files,
-                       resolve_resident_count)
-from .discovery import SUPPORTED_FAMILIES, discover_blocks
-from .dynamic_vram import non_dynamic_patcher, watch_clones
-from .controller import AUTO_RESIDENT, OffloadController
-from .device_support import CPU_LOOPBACK_ENV, device_support
-from .stats_view import PASSTHROUGH_ATTACHMENT
-from .patcher import make_offloaded_clone
-
-log = logging.getLogger("layerwise_offload")
+from ..offload import DISK_DIR_ENV, HOST_STORES, POLICIES, disk_tier_unsupported, remove_stale_files
+from .discovery import SUPPORTED_FAMILIES
+from .device_support import CPU_LOOPBACK_ENV
 
 NODE_ID = "LayerwiseOffload"
 DISPLAY_NAME = "Layerwise Offload (DiT)"
@@ -56,6 +46,7 @@ TOOLTIPS = {
         "folder (or $" + DISK_DIR_ENV + ") and is deleted when the model is unloaded or ComfyUI exits."),
 }
 
+AUTO_RESIDENT = -1  # resident_layers value that asks for the automatic plan
 AUTO_POLICY = "auto"
 NODE_POLICIES = (AUTO_POLICY,) + tuple(POLICIES)
 DEFAULTS = {"resident_layers": AUTO_RESIDENT, "prefetch_size": 1, "residency_policy": AUTO_POLICY, "pin_memory": True,
@@ -111,57 +102,5 @@ def remove_stale_disk_files() -> int:
     return remove_stale_files(chosen) if chosen else 0
 
 
-def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy=AUTO_POLICY, pin_memory=True,
-                  host_store="auto"):
-    """The node's work: a clone of ``model`` whose transformer blocks are managed by the offload."""
-    problem = host_store_problem(host_store)
-    if problem is not None:
-        raise ValueError(f"[layerwise-offload] {problem}")
-    # Page-locking only speeds up copies to an accelerator; on the CPU loopback it would only warn.
-    auto = resident_layers == AUTO_RESIDENT
-    if auto:
-        resident_layers = 0  # until the first forward, when the free VRAM and the latent are known
-    pin = bool(pin_memory) and not comfy.model_management.is_device_cpu(model.load_device)
-    auto_setting = residency_policy == AUTO_POLICY
-    config = OffloadConfig(resident_layers=resident_layers, prefetch_size=prefetch_size,
-                           policy="leading" if auto_setting else residency_policy, pin_memory=pin, host_store=host_store)
-    discover_blocks(model.get_model_object("diffusion_model"))  # a non-DiT fails here, before anything else
-    support = device_support(model.load_device)
-    if not support.offloads:
-        return passed_through(model, support)
-    model = non_dynamic_patcher(model)
-    base_model = model.model
-    diffusion_model = model.get_model_object("diffusion_model")
-    discovered = discover_blocks(diffusion_model)
-    controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto,
-                                   auto_setting=auto_setting)
-    # Planned under this output's settings: the shared manager may still hold another output's.
-    refusal = controller.manager.shortfall(controller.config, (
-        f"{DISPLAY_NAME}: resident_layers={-1 if auto else resident_layers}, prefetch_size={prefetch_size}, "
-        f"residency_policy={residency_policy}, pin_memory={pin_memory}, host_store={host_store}"))
-    if refusal is not None:  # here, so ComfyUI reports it against this node and its settings, not the sampler
-        raise MemoryError(refusal)
-    log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, %s, host_store=%s",
-             type(diffusion_model).__name__, discovered.family, len(discovered), "+".join(discovered.attributes),
-             "auto" if auto else resolve_resident_count(config.resident_layers, len(discovered)), prefetch_size,
-             residency_policy, "pinned RAM" if pin else "CPU loopback: nothing to pin" if support.device_type == "cpu"
-             else "pin_memory off", host_store)
-    offloaded = make_offloaded_clone(model, controller)
-    watch_clones(offloaded)
-    return offloaded
-
-
-def passed_through(model, support):
-    """``model`` unchanged, marked so the Stats node and the run line say why nothing was offloaded."""
-    log.info("[layerwise-offload] %s%s", support.reason, f" ({support.hint})" if support.hint else "")
-    clone = model.clone()
-    clone.attachments[PASSTHROUGH_ATTACHMENT] = support
-    key = PASSTHROUGH_ATTACHMENT
-    clone.remove_callbacks_with_key(comfy.patcher_extension.CallbacksMP.ON_CLEANUP, key)
-    clone.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_CLEANUP, key,
-                                lambda patcher: log.info("[layerwise-offload] run: %s", support.reason))
-    return clone
-
-
-__all__ = ["offload_model", "offload_stats", "stats_ui", "residency_policy_problem", "host_store_problem", "HOST_STORES", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
-           "POLICIES", "NODE_POLICIES", "AUTO_POLICY", "CPU_LOOPBACK_ENV"]
+__all__ = ["offload_stats", "stats_ui", "residency_policy_problem", "host_store_problem", "HOST_STORES", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
+           "POLICIES", "NODE_POLICIES", "AUTO_POLICY", "AUTO_RESIDENT", "CPU_LOOPBACK_ENV"]

@@ -17,8 +17,6 @@ import comfy.model_management
 import comfy.patcher_extension
 from comfy.patcher_extension import CallbacksMP
 
-from .controller import OffloadController
-
 log = logging.getLogger("layerwise_offload")
 
 _SUBCLASSES: Dict[type, type] = {}
@@ -45,12 +43,15 @@ def offload_patcher_class(base: type) -> Type:
 
 
 class LayerwiseOffloadPatcherMixin:
-    """Overrides on the cloned patcher; the controller lives in ``attachments`` and is shared by clones."""
+    """Overrides on the cloned patcher; the controller lives in ``attachments`` and is shared by clones.
+
+    The controller (``nodes/controller.py``'s ``OffloadController``) makes this clone (``make_offloaded_clone``), so
+    this file does not import it: the overrides only hand ComfyUI's calls on to it."""
 
     ATTACHMENT = "layerwise_offload"
 
     @property
-    def offload_controller(self) -> OffloadController:
+    def offload_controller(self):
         return self.attachments[self.ATTACHMENT]
 
     def model_size(self):
@@ -166,7 +167,7 @@ _CALLBACKS = ((CallbacksMP.ON_PRE_RUN, on_pre_run), (CallbacksMP.ON_CLEANUP, on_
               (CallbacksMP.ON_REGISTER_ALL_HOOK_PATCHES, refuse_weight_hooks))
 
 
-def make_offloaded_clone(model, controller: OffloadController):
+def make_offloaded_clone(model, controller):
     patcher = model.clone()
     patcher.__class__ = offload_patcher_class(type(patcher))
     key = LayerwiseOffloadPatcherMixin.ATTACHMENT

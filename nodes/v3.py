@@ -8,7 +8,8 @@ from comfy_api.latest import ComfyExtension, io
 
 from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
                            MIN_RESIDENT_LAYERS, NODE_ID, NODE_POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, offload_model, stats_ui)
+                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, stats_ui)
+from .controller import offload_model
 from .loader import (LOADER_CATEGORY, LOADER_DESCRIPTION, LOADER_DISPLAY_NAME, LOADER_NODE_ID, LOADER_TOOLTIPS,
                      WEIGHT_DTYPES, diffusion_model_names, load_layerwise)
 

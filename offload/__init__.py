@@ -6,7 +6,7 @@ with a prefetch window on a side stream. Nothing here imports ComfyUI.
 
 from .activation_model import block_width
 from .disk.checkpoint import CheckpointError, CheckpointFile, locate
-from .config import HOST_STORES, POLICIES, OffloadConfig, resolve_resident_count
+from .config import HOST_STORES, POLICIES, OffloadConfig
 from .device.backend import normalize_device
 from .disk.cache_file import disk_tier_unsupported, remove_stale_files
 from .hooks import cuda_graph_refusal
@@ -62,7 +62,6 @@ __all__ = [
     "plan_residency",
     "point_param_at",
     "remove_stale_files",
-    "resolve_resident_count",
     "return_freed_host_memory",
     "weight_nbytes",
     "weight_parts",

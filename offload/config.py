@@ -1,4 +1,4 @@
-"""Validated settings of a layerwise offload and the resident-count rule."""
+"""Validated settings of a layerwise offload, and the rule that turns ``resident_layers`` into a block count."""
 
 from __future__ import annotations
 
@@ -15,26 +15,6 @@ RELEASED_PARAMS = ("placeholder", "host")
 HOST_STORES = ("auto", "ram", "disk")
 
 ResidentLayers = Union[int, float]
-
-
-def resolve_resident_count(resident_layers: ResidentLayers, num_blocks: int) -> int:
-    """Turn a resident count or fraction into a block count.
-
-    ``0 < x < 1`` is a fraction of the blocks (``round(x * n)``); ``x >= 1`` is a count
-    (``floor(x)``), clamped to ``n`` with one log line; ``0`` streams every block.
-    """
-    _check_resident_layers(resident_layers)
-    if num_blocks < 0:
-        raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
-    value = float(resident_layers)
-    if 0 < value < 1:
-        return int(round(value * num_blocks))
-    count = int(math.floor(value))
-    if count > num_blocks:
-        log.info("[layerwise-offload] resident_layers=%s exceeds the %d blocks; keeping all %d resident",
-                 resident_layers, num_blocks, num_blocks)
-        return num_blocks
-    return count
 
 
 def _check_resident_layers(resident_layers) -> None:
@@ -95,3 +75,21 @@ class OffloadConfig:
             raise ValueError(f"host_store must be one of {', '.join(HOST_STORES)}, got {self.host_store!r}")
         if self.pin_memory not in (None, True, False):
             raise ValueError(f"pin_memory must be True, False or None (automatic), got {self.pin_memory!r}")
+
+    def resident_count(self, num_blocks: int) -> int:
+        """``resident_layers`` as a count of ``num_blocks`` blocks: the one place this rule lives.
+
+        ``0 < x < 1`` is a fraction of the blocks (``round(x * n)``); ``x >= 1`` is a count
+        (``floor(x)``), clamped to ``n`` with one log line; ``0`` streams every block.
+        """
+        if num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
+        value = float(self.resident_layers)
+        if 0 < value < 1:
+            return int(round(value * num_blocks))
+        count = int(math.floor(value))
+        if count > num_blocks:
+            log.info("[layerwise-offload] resident_layers=%s exceeds the %d blocks; keeping all %d resident",
+                     self.resident_layers, num_blocks, num_blocks)
+            return num_blocks
+        return count

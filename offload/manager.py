@@ -21,13 +21,13 @@ from .device.copier import BlockCopier, BlockTransform
 from .blocks.params import BlockParameters
 from .blocks.states import BlockStates
 from .call_order import CallTracker
-from .config import OffloadConfig, resolve_resident_count
+from .config import OffloadConfig
 from .device.backend import make_backend, normalize_device
 from .device.memory import DeviceMemory
 from .hooks import BlockHooks, compiler_disable
 from .host.side import HostEnvironment, HostSide
 from .host.packing import HostStore, plan_layout
-from .schedule import Schedule, choose_resident_blocks
+from .schedule import Schedule
 from .stats import Counters, OffloadStats
 
 
@@ -116,7 +116,7 @@ class LayerwiseOffloadManager:
         return self.states.materialized_blocks()
 
     def resident_count(self) -> int:
-        return resolve_resident_count(self.config.resident_layers, self.num_blocks)
+        return self.config.resident_count(self.num_blocks)
 
     def block_nbytes(self) -> List[int]:
         """Bytes each block occupies on the device once materialized."""
@@ -231,8 +231,7 @@ class LayerwiseOffloadManager:
 
     # ----------------------------------------------------------------- arming
     def _make_schedule(self) -> Schedule:
-        count = self.resident_count()
-        return Schedule(choose_resident_blocks(self.num_blocks, count, self.config.policy))
+        return Schedule.for_config(self.config, self.num_blocks)
 
     @compiler_disable
     def arm(self) -> None:
@@ -386,8 +385,7 @@ class LayerwiseOffloadManager:
             self._reset_device_state()
             return
         try:
-            count = resolve_resident_count(config.resident_layers, self.num_blocks)
-            schedule = Schedule(choose_resident_blocks(self.num_blocks, count, config.policy))
+            schedule = Schedule.for_config(config, self.num_blocks)
             ring = schedule.footprint(self.block_nbytes(), config.prefetch_size)
             keep_ring = memory.ring_is(ring.slot_count, ring.slot_size)
             for index in range(self.num_blocks):

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable, List, Sequence, Tuple
 
+from .config import OffloadConfig
+
 
 def choose_resident_blocks(num_blocks: int, resident_count: int, policy: str) -> Tuple[bool, ...]:
     """Mark the resident blocks for a policy.
@@ -67,6 +69,11 @@ class Schedule:
     """The residency plan of one step, in the order the model runs its blocks."""
 
     resident: Tuple[bool, ...]
+
+    @classmethod
+    def for_config(cls, config: OffloadConfig, num_blocks: int) -> "Schedule":
+        """The plan ``config`` asks for over ``num_blocks`` blocks: its resident count, placed by its policy."""
+        return cls(choose_resident_blocks(num_blocks, config.resident_count(num_blocks), config.policy))
 
     @property
     def num_blocks(self) -> int:

@@ -9,7 +9,8 @@ import comfy.model_management as mm
 
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.device_support import CPU_LOOPBACK_ENV, device_support, startup_line
-from layerwise_offload.nodes.offload_node import offload_model, offload_stats, residency_policy_problem
+from layerwise_offload.nodes.controller import offload_model
+from layerwise_offload.nodes.offload_node import offload_stats, residency_policy_problem
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.nodes.v1 import LayerwiseOffloadStatsV1, LayerwiseOffloadV1
 from layerwise_offload.nodes.offload_node import DEFAULTS

@@ -8,7 +8,7 @@ import comfy.model_management as mm
 
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes import controller as controller_module
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.offload import choose_resident_blocks, footprint
 from layerwise_offload.offload.planner import forward_activation_bytes

@@ -8,7 +8,7 @@ import torch
 from comfy_api.torch_helpers import set_torch_compile_wrapper
 
 from layerwise_offload.devtools import tiny_dits
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 
 
 @pytest.fixture

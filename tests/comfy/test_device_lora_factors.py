@@ -8,7 +8,7 @@ import comfy.sd
 
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.device_lora import DeviceLora, patches_on_device, scratch_bytes
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 
 
 def random_lora(patcher, rank=3):

@@ -19,7 +19,7 @@ from comfy.model_patcher import ModelPatcher
 from comfy.patcher_extension import CallbacksMP
 
 from layerwise_offload.devtools import dynamic_vram_standin, tiny_dits
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 REAL_DYNAMIC = getattr(comfy.model_patcher, "ModelPatcherDynamic", None)

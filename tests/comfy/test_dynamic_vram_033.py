@@ -26,7 +26,7 @@ import nodes as comfy_nodes
 
 from layerwise_offload.devtools import dynamic_vram_standin, peers, tiny_dits
 from layerwise_offload.nodes.loader import load_diffusion_model_layerwise, load_layerwise
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 from .test_host_ram import random_block_lora

@@ -15,7 +15,7 @@ import comfy.model_management as mm
 import comfy.sd
 
 from layerwise_offload.devtools import tiny_dits
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 from .test_messy_states import lora

@@ -12,7 +12,7 @@ import comfy.sd
 
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.loader import load_diffusion_model_layerwise, model_options_for
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.offload.disk.checkpoint import locate
 

@@ -12,7 +12,8 @@ import comfy.sd
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.devtools.tiny_unet import build_tiny_sd15
 from layerwise_offload.nodes.discovery import UnsupportedModelError
-from layerwise_offload.nodes.offload_node import CPU_LOOPBACK_ENV, offload_model
+from layerwise_offload.nodes.controller import offload_model
+from layerwise_offload.nodes.offload_node import CPU_LOOPBACK_ENV
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 

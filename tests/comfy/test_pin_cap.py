@@ -6,8 +6,7 @@ import torch
 
 import comfy.model_management as mm
 
-from layerwise_offload.nodes import controller
-from layerwise_offload.nodes.host_ram import ComfyUIPinner
+from layerwise_offload.nodes.host_ram import ComfyUIPinner, comfyui_pinned_memory_cap
 from layerwise_offload.offload.memory import pinning
 
 GiB = 2**30
@@ -21,13 +20,13 @@ def on_a_gpu(monkeypatch):
 
 
 def test_the_cap_is_what_other_models_left(on_a_gpu, monkeypatch):
-    assert controller.comfyui_pinned_memory_cap() == 10 * GiB
+    assert comfyui_pinned_memory_cap() == 10 * GiB
     monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 7 * GiB)  # another model pinned 6 GiB, we hold 1 GiB
-    assert controller.comfyui_pinned_memory_cap(own_pinned_bytes=1 * GiB) == 4 * GiB
+    assert comfyui_pinned_memory_cap(own_pinned_bytes=1 * GiB) == 4 * GiB
     monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 12 * GiB)
-    assert controller.comfyui_pinned_memory_cap(own_pinned_bytes=0) == 0
+    assert comfyui_pinned_memory_cap(own_pinned_bytes=0) == 0
     monkeypatch.setattr(mm, "MAX_PINNED_MEMORY", -1)  # --disable-pinned-memory
-    assert controller.comfyui_pinned_memory_cap() == 0
+    assert comfyui_pinned_memory_cap() == 0
 
 
 def test_dynamic_models_pins_that_comfyui_evicts_for_a_new_pin_leave_the_cap(on_a_gpu, monkeypatch):
@@ -45,12 +44,12 @@ def test_dynamic_models_pins_that_comfyui_evicts_for_a_new_pin_leave_the_cap(on_
     monkeypatch.setattr(mm, "ensure_pin_registerable", lambda size, evict_active=True: True, raising=False)
     monkeypatch.setattr(mm, "current_loaded_models", [Loaded()])
     monkeypatch.setattr(mm, "TOTAL_PINNED_MEMORY", 7 * GiB)
-    assert controller.comfyui_pinned_memory_cap(own_pinned_bytes=0) == 9 * GiB
+    assert comfyui_pinned_memory_cap(own_pinned_bytes=0) == 9 * GiB
 
 
 def test_the_cap_is_none_on_the_cpu(monkeypatch):
     monkeypatch.setattr(mm, "is_device_cpu", lambda device: True)
-    assert controller.comfyui_pinned_memory_cap(5) is None
+    assert comfyui_pinned_memory_cap(5) is None
 
 
 class StickyError:

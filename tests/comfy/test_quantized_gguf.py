@@ -17,7 +17,7 @@ import folder_paths
 
 from layerwise_offload.devtools import peers, tiny_dits
 from layerwise_offload.devtools.quantized_models import GGUF_TYPES, save_tiny_wan21_gguf
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 pytest.importorskip("gguf", reason="the gguf package (a dev package of scripts/setup_env.sh) is not installed")

@@ -15,7 +15,7 @@ import comfy.sd
 
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.devtools.quantized_models import save_tiny_wan21_fp8_mixed
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")

@@ -12,7 +12,7 @@ import torch
 import comfy.model_management as mm
 
 from layerwise_offload.devtools import tiny_dits
-from layerwise_offload.nodes.offload_node import offload_model
+from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")

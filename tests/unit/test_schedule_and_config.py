@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from layerwise_offload.devtools.toy_transformer import toy_and_reference
-from layerwise_offload.offload import Schedule, apply_layerwise_offload, choose_resident_blocks, resolve_resident_count
+from layerwise_offload.offload import OffloadConfig, Schedule, apply_layerwise_offload, choose_resident_blocks
 
 
 @pytest.mark.parametrize("value, blocks, expected", [
@@ -16,12 +16,12 @@ from layerwise_offload.offload import Schedule, apply_layerwise_offload, choose_
     (0.99, 4, 4), (1, 4, 1), (1.0, 4, 1),
 ])
 def test_resident_count_and_fraction(value, blocks, expected):
-    assert resolve_resident_count(value, blocks) == expected
+    assert OffloadConfig(resident_layers=value).resident_count(blocks) == expected
 
 
 def test_counts_above_the_block_count_clamp_with_one_log_line(caplog):
     with caplog.at_level(logging.INFO, logger="layerwise_offload"):
-        assert resolve_resident_count(99, 12) == 12
+        assert OffloadConfig(resident_layers=99).resident_count(12) == 12
     assert len(caplog.records) == 1
     assert "resident_layers=99 exceeds the 12 blocks" in caplog.records[0].getMessage()
 
@@ -29,7 +29,7 @@ def test_counts_above_the_block_count_clamp_with_one_log_line(caplog):
 @pytest.mark.parametrize("bad", [-1, -0.5, float("nan"), float("inf"), "3", None, [1]])
 def test_bad_resident_values_are_value_errors(bad):
     with pytest.raises(ValueError, match="resident_layers"):
-        resolve_resident_count(bad, 10)
+        OffloadConfig(resident_layers=bad)
 
 
 def test_leading_and_strided_choices():
@@ -40,6 +40,12 @@ def test_leading_and_strided_choices():
     assert Schedule(choose_resident_blocks(10, 10, "strided")).streamed_blocks == ()
     with pytest.raises(ValueError, match="unknown residency policy 'middle'"):
         choose_resident_blocks(4, 1, "middle")
+
+
+def test_a_config_schedules_its_resident_count_by_its_policy():
+    assert Schedule.for_config(OffloadConfig(resident_layers=0.7, policy="strided"), 10) == Schedule(
+        choose_resident_blocks(10, 7, "strided"))
+    assert Schedule.for_config(OffloadConfig(resident_layers=99), 4).resident == (True,) * 4
 
 
 def test_upcoming_streamed_wraps_into_the_next_step():
@@ -67,7 +73,7 @@ def test_random_plans_and_call_patterns(double, single, resident, prefetch, poli
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model,
                                       resident_layers=resident, prefetch_size=prefetch, policy=policy)
     blocks = model.blocks_in_call_order()
-    residents = resolve_resident_count(resident, count)
+    residents = OffloadConfig(resident_layers=resident).resident_count(count)
     peak = []
 
     def check(module, args):
