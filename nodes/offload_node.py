@@ -40,7 +40,9 @@ TOOLTIPS = {
         "is short; copies get slower."),
     "host_store": (
         "Where the blocks' host copies live. auto (the default): in RAM while it keeps a safety margin free, "
-        "the rest (the blocks latest in the step) in a cache file on disk, read back ahead of use every step. "
+        "the rest (the blocks latest in the step) in a cache file on disk, read back ahead of use every step; on a "
+        "disk too slow for that (its read rate is measured at first use, or set by $LAYERWISE_OFFLOAD_DISK_READ_RATE) "
+        "only the blocks RAM cannot hold go there. "
         "ram: all in RAM (fastest; refused when RAM is short). disk: all on disk, RAM holds only a small "
         "staging ring (for models bigger than free RAM; needs a fast SSD). The file goes in ComfyUI's temp "
         "folder (or $" + DISK_DIR_ENV + ") and is deleted when the model is unloaded or ComfyUI exits."),
