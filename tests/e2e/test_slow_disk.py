@@ -11,7 +11,8 @@ blocks that would keep the margin are optional, and read at the throttled rate t
 they stay in RAM; on the fast disk they go there. Both outputs are bitwise the model's own.
 
 Skipped, with the command and the kernel's answer, where the loop device, the file system or the throttle cannot
-be made (not root, no loop devices, no block-I/O controller). Takes a few seconds.
+be made (not root, no loop devices, no block-I/O controller). The test itself takes 10-25 s, most of it the fresh
+process importing torch; the probe of the throttled disk reads for one second.
 """
 
 from __future__ import annotations
