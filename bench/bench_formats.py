@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from .comfy_bench import BenchConfig, Harness
+from .harness import BenchConfig, Harness
 from .measure import write_csv
 from ..devtools import peers
 from ..devtools.quantized_models import save_fp8_mixed, save_gguf

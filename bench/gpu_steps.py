@@ -40,7 +40,7 @@ if __name__ == "__main__":  # run by path: the pack registered as `layerwise_off
 
 import torch  # noqa: E402
 
-from .comfy_bench import BenchConfig, Harness  # noqa: E402
+from .harness import BenchConfig, Harness  # noqa: E402
 from .measure import (CPU_LOOPBACK_ENV, CastCounter, StepClock, bitwise_equal, block_lora,  # noqa: E402
                       comfyui_version, copy_seconds, elapsed, mark, our_footprint, page_aligned_host, with_lora)
 from ..devtools import comfy_env  # noqa: E402
