@@ -15,9 +15,10 @@ double-stream blocks up to 2.6x: whoever feeds the engine FLOPs should count. fp
 bf16 every forward (``stored + 2 x weights`` bytes of device-memory traffic); LoRA rows apply ComfyUI's float32
 LoRA math on a stream of its own (about 28 bytes of traffic per weight) at every streamed copy.
 
-Rows: every resident count 0..N, leading and strided, prefetch 1-4 (LoRA rows prefetch 1). ``fits``: the plan
+Rows: every resident count 0..N, every setting of ``timing_model.SETTINGS`` (leading and strided at prefetch 1-4,
+leading at 6, 8, 12, 16; LoRA rows prefetch 1). ``fits``: the plan
 (residents + slots + non-block weights + activations + ComfyUI's reserve + 0.5 GiB context) fits the card;
-``auto``: the count the planner picks there. About a minute on one core.
+``auto``: the count the planner picks there. About 20 minutes on the project's shared 2-core machine.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from .measure import RESULTS  # noqa: E402
 from ..devtools import comfy_env, template_memory  # noqa: E402
 from ..offload import Schedule, choose_resident_blocks, planner  # noqa: E402
 from ..offload import timing_model as tm  # noqa: E402
-from ..offload.plan_choice import choose_plan  # noqa: E402
+from ..offload.plan_choice import CLOSE_STEP, choose_plan  # noqa: E402
 from ..offload.timing_model import SETTINGS  # noqa: E402
 
 FIELDS = ("GPU", "template", "resident_count", "policy", "chosen", "prefetch", "predicted_step_ms", "bound_ms", "ratio",
@@ -64,7 +65,9 @@ def is_before(row) -> bool:
     return (row["policy"], row["prefetch"]) == BEFORE
 WITHIN = 1.05
 LORA_BYTES_PER_WEIGHT = 28
-QUANTIZED_TEMPLATES = ("wan22_t2v_a14b_fp8", "wan22_t2v_a14b_gguf")  # quantized weight objects (host time)
+# The weight format each template's file loads as, for the host time per streamed block (bench/results/host_time.csv):
+# Wan 2.2's fp8 file is fp8 scaled (ComfyUI's QuantizedTensor), Qwen-Image's plain fp8 e4m3fn.
+HOST_FORMAT = {"wan22_t2v_a14b_fp8": "quantized", "wan22_t2v_a14b_gguf": "gguf", "qwen_image": "fp8"}
 FAMILY_OF_CONFIG = {"Flux": "flux1", "WAN21_T2V": "wan_14b", "QwenImage": "qwen_image",
                     "HunyuanVideo": "hunyuan_video"}
 GB = 10 ** 9
@@ -160,7 +163,7 @@ def template_costs(keys=None) -> List[TemplateCosts]:
         cast = None
         if t.stored_bytes != 2:
             cast = tuple(int(b + 2 * b / t.stored_bytes) for b in block_bytes)
-        host = tm.HOST_S_PER_STREAMED_BLOCK_QUANTIZED if t.key in QUANTIZED_TEMPLATES else tm.HOST_S_PER_STREAMED_BLOCK
+        host = tm.HOST_S_PER_STREAMED_BLOCK_BY_FORMAT[HOST_FORMAT.get(t.key, "bf16")]
         costs = tm.ModelCosts(block_bytes, flops, outside_flops=total - sum(per_block), cast_bytes=cast,
                               host_s_per_streamed_block=host)
         lora = tm.ModelCosts(block_bytes, flops, outside_flops=total - sum(per_block), cast_bytes=cast,
@@ -269,6 +272,19 @@ def headlines(rows: List[dict], templates: List[TemplateCosts], best: Dict[tuple
            f"{len(now_over)} of {len(now)} plans (template x GPU x resident count) predict more than {WITHIN}x the "
            f"bound; the worst is {worst_now['ratio']:.3f}x ({worst_now['template']}, {worst_now['GPU']}, r "
            f"{worst_now['resident_count']}, {worst_now['chosen']} {worst_now['prefetch']})."]
+    shallow = shallow_auto(plain)
+    shallow_over = [r for r in shallow if r["ratio"] > WITHIN]
+    if shallow_over:
+        worst = max(shallow_over, key=lambda r: r["ratio"])
+        pairs = sorted({(r["template"], r["GPU"]) for r in shallow_over})
+        where = "; ".join(f"{t} on the {g}: r " + _ranges([r["resident_count"] for r in shallow_over
+                                                            if (r["template"], r["GPU"]) == (t, g)]) for t, g in pairs)
+        out.append(f"- With auto choosing among prefetch 1-4 only (before the deeper leading rings), "
+                   f"{len(shallow_over)} were over {WITHIN}x ({where}; worst {worst['ratio']:.3f}x at r {worst['resident_count']}, "
+                   f"{worst['policy']} {worst['prefetch']}): leading keeps the biggest blocks, which come first, and a "
+                   "ring of at most 5 slots leaves the copy engine idle while they compute; strided reaches its own "
+                   "bound but keeps smaller blocks and streams more bytes, so its step is slower still. A leading "
+                   "ring deep enough to take the copies of the residents' stretch reaches the bound.")
     default = [r for r in plain if is_before(r)]
     over = [r for r in default if r["ratio"] > WITHIN]
     out += [f"- Before it (leading, prefetch 1), {len(over)} of {len(default)} plans predicted more than {WITHIN}x "
@@ -292,7 +308,7 @@ def headlines(rows: List[dict], templates: List[TemplateCosts], best: Dict[tuple
     fixed = [best[_key(r)] for r in over if _key(r) in best]
     if over:
         extra = max(b["device_gib"] - r["device_gib"] for r in over for b in [best.get(_key(r))] if b)
-        out.append(f"- {len(fixed)} of the {len(over)} have a setting of the grid (policy x prefetch 1-4) within "
+        out.append(f"- {len(fixed)} of the {len(over)} have a setting of the grid within "
                    f"{WITHIN}x; the one holding the fewest device bytes costs at most {extra:+.2f} GiB over the "
                    "default plan. No single setting serves every plan:")
         counts = []
@@ -312,6 +328,23 @@ def headlines(rows: List[dict], templates: List[TemplateCosts], best: Dict[tuple
         out.append(f"- With a LoRA (on its own stream): up to {worst['ratio']:.3f}x the bound ({worst['template']}, "
                    f"{worst['GPU']}, r {worst['resident_count']}, {worst['policy']} 1); the next copy no longer waits "
                    "for it, only the block's own compute does.")
+    return out
+
+
+def shallow_auto(plain: List[dict]) -> List[dict]:
+    """Per (GPU, template, r): the row auto would have run choosing among prefetch 1-4 only (choose_plan's rule: the
+    fastest step among the settings that fit, or among all where none fits; of those within CLOSE_STEP of it, the
+    fewest device bytes)."""
+    groups: Dict[tuple, List[dict]] = {}
+    for row in plain:
+        if not is_default(row) and row["prefetch"] <= 4:
+            groups.setdefault(_key(row), []).append(row)
+    out = []
+    for mine in groups.values():
+        pool = [r for r in mine if r["fits"]] or mine
+        fastest = min(r["predicted_step_ms"] for r in pool)
+        close = [r for r in pool if r["predicted_step_ms"] <= fastest * CLOSE_STEP]
+        out.append(min(close, key=lambda r: r["device_gib"]))
     return out
 
 
@@ -356,7 +389,7 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
     lines = [
         "# Timing model: predicted step time vs the bound",
         "",
-        "Made by `.venv/bin/python -P bench/timing_table.py` (about a minute on one CPU core); every row is in "
+        "Made by `.venv/bin/python -P bench/timing_table.py` (about 20 minutes on the project's shared 2-core machine); every row is in "
         "`timing_model.csv`, the curves in `timing_model.png`. **A model, not a measurement**: the first GPU run "
         "checks it.",
         "",
@@ -381,10 +414,12 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
         "(fp8, GGUF) at HBM bandwidth. Element-wise kernels are inside the 0.7; attention is counted as flash "
         "attention computes it. One forward per step (cond + uncond batched where CFG > 1).",
         f"- Host: {tm.LAUNCH_S_PER_BLOCK * 1e3:.2f} ms to launch each block, "
-        f"{tm.HOST_S_PER_STREAMED_BLOCK * 1e3:.1f} ms "
-        f"of bookkeeping per streamed block ({tm.HOST_S_PER_STREAMED_BLOCK_QUANTIZED * 1e3:.1f} ms for fp8-scaled and "
-        "GGUF weight objects), issued ahead of the GPU without limit; the sampler reads each step's result back "
-        "(a host sync at the end of every step).",
+        f"{tm.HOST_S_PER_STREAMED_BLOCK * 1e3:.3f} ms of bookkeeping per streamed block in bf16 "
+        f"({tm.HOST_S_PER_STREAMED_BLOCK_FP8 * 1e3:.3f} ms plain fp8: Qwen-Image; "
+        f"{tm.HOST_S_PER_STREAMED_BLOCK_QUANTIZED * 1e3:.3f} ms fp8 scaled `QuantizedTensor`: Wan 2.2 fp8; "
+        f"{tm.HOST_S_PER_STREAMED_BLOCK_GGUF * 1e3:.3f} ms GGUF; the worst medians of the `after` rows of "
+        "`host_time.csv`, measured on the project's 2-core CPU), issued ahead of the GPU without limit; the sampler "
+        "reads each step's result back (a host sync at the end of every step).",
         f"- LoRA rows: every linear weight patched on the device with ComfyUI's float32 math, "
         f"{LORA_BYTES_PER_WEIGHT} bytes of device-memory traffic per weight, on a stream of its own after the copy (as "
         "offload/device/backend.py queues it); it takes no SM time from the compute stream (optimistic).",

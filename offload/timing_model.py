@@ -38,7 +38,8 @@ What the model assumes (it is a model: a GPU run checks it the day one is lent):
   :data:`DIT_EFFICIENCY` (attention, norms and element-wise kernels run below the matmul peak). Kernels on a
   stream other than the compute stream (LoRA) take no SM time from it (optimistic where LoRA is heavy).
 - The host issues work ahead of the GPU without limit (CUDA's launch queue is not modelled); it pays
-  :data:`HOST_S_PER_STREAMED_BLOCK` of manager bookkeeping at each streamed block's copy and
+  :data:`HOST_S_PER_STREAMED_BLOCK` of manager bookkeeping at each streamed block's copy (per weight format, as
+  bench/host_time.py measured it on the project's CPU) and
   :data:`LAUNCH_S_PER_BLOCK` to launch each block's kernels, and with ``sync_each_step`` waits for the compute
   stream at the end of each step (ComfyUI's sampler callback reads the latent back for previews and progress).
 - Event queries answer "done" (they only fold timing statistics and retire the residents' bounce ring).
@@ -57,7 +58,9 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["GpuSpec", "GPUS", "DIT_EFFICIENCY", "HOST_S_PER_STREAMED_BLOCK", "HOST_S_PER_STREAMED_BLOCK_QUANTIZED",
+__all__ = ["GpuSpec", "GPUS", "DIT_EFFICIENCY", "HOST_S_PER_STREAMED_BLOCK", "HOST_S_PER_STREAMED_BLOCK_FP8",
+           "HOST_S_PER_STREAMED_BLOCK_QUANTIZED", "HOST_S_PER_STREAMED_BLOCK_GGUF",
+           "HOST_S_PER_STREAMED_BLOCK_BY_FORMAT",
            "LAUNCH_S_PER_BLOCK", "COPY_LATENCY_S", "ModelCosts", "Trace", "Prediction", "record_schedule",
            "simulate", "predict", "bound_seconds", "clear_recordings", "SETTINGS",
            "best_setting"]
@@ -65,8 +68,16 @@ __all__ = ["GpuSpec", "GPUS", "DIT_EFFICIENCY", "HOST_S_PER_STREAMED_BLOCK", "HO
 # ----------------------------------------------------------------------------------------------- figures
 
 DIT_EFFICIENCY = 0.7  # a DiT block's kernels (GEMMs, flash attention, norms, RoPE, gates) vs a big square GEMM
-HOST_S_PER_STREAMED_BLOCK = 0.4e-3  # manager bookkeeping per streamed block (DESIGN.md: 0.3-0.5 ms)
-HOST_S_PER_STREAMED_BLOCK_QUANTIZED = 1.5e-3  # rebuilding quantized weight objects (DESIGN.md: 1-2 ms)
+# The manager's Python time per streamed block, by weight format: the worst median of the "after" rows of
+# bench/results/host_time.csv (bench/host_time.py on the project's 2-core CPU, ComfyUI 0.3.75 and 0.33.0, three runs;
+# the quietest runs are up to 2x faster). Not in it: a GPU's C++ tensor trade per quantized weight (~1.7 us each).
+HOST_S_PER_STREAMED_BLOCK = 0.116e-3  # plain bf16 / fp16 weights
+HOST_S_PER_STREAMED_BLOCK_FP8 = 0.082e-3  # plain fp8 weights (e4m3fn, unscaled)
+HOST_S_PER_STREAMED_BLOCK_QUANTIZED = 0.217e-3  # ComfyUI's QuantizedTensor weights (fp8 scaled)
+HOST_S_PER_STREAMED_BLOCK_GGUF = 0.156e-3  # ComfyUI-GGUF's GGMLTensor weights
+HOST_S_PER_STREAMED_BLOCK_BY_FORMAT = {"bf16": HOST_S_PER_STREAMED_BLOCK, "fp8": HOST_S_PER_STREAMED_BLOCK_FP8,
+                                       "quantized": HOST_S_PER_STREAMED_BLOCK_QUANTIZED,
+                                       "gguf": HOST_S_PER_STREAMED_BLOCK_GGUF}
 LAUNCH_S_PER_BLOCK = 0.15e-3  # launching one block's ~25-40 kernels from Python, hooks included
 COPY_LATENCY_S = 10e-6  # per queued copy: DMA set-up, event records
 
@@ -536,8 +547,14 @@ def predict(costs: ModelCosts, gpu: GpuSpec, resident_count: int, policy: str = 
 
 # ----------------------------------------------------------------------------------------------- choosing
 
+# The policy x prefetch depths auto chooses from. Deeper rings only for leading: where the residents are the model's
+# biggest blocks and come first (Flux's double blocks, 2.4x a single block's bytes), the copy engine idles while
+# they compute unless the ring can take the copies of that whole stretch; strided needs no more than 2 (it keeps
+# smaller blocks resident instead, and streams more bytes). In the model, Flux.1-dev on an H200 with 18-32 blocks
+# resident needs leading 6-16 to come within 1.05x its bound (bench/results/timing_model.md).
 SETTINGS: Tuple[Tuple[str, int], ...] = (("leading", 1), ("strided", 1), ("leading", 2), ("strided", 2),
-                                         ("leading", 3), ("strided", 3), ("leading", 4), ("strided", 4))
+                                         ("leading", 3), ("strided", 3), ("leading", 4), ("strided", 4),
+                                         ("leading", 6), ("leading", 8), ("leading", 12), ("leading", 16))
 
 
 def best_setting(costs: ModelCosts, gpu: GpuSpec, resident_count: int, within: float = 1.05,

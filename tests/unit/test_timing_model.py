@@ -156,11 +156,11 @@ def test_a_backend_that_copies_on_the_compute_stream_is_timed_as_serial(monkeypa
 
 
 def test_a_changed_residency_choice_changes_the_trace(monkeypatch, fresh_recordings):
-    from layerwise_offload.offload import manager as manager_module
+    from layerwise_offload.offload import schedule as schedule_module
 
     before = tm.record_schedule(8, 4, "leading", 1)
     trailing = lambda n, r, policy: tuple(i >= n - r for i in range(n))  # noqa: E731
-    monkeypatch.setattr(manager_module, "choose_resident_blocks", trailing)
+    monkeypatch.setattr(schedule_module, "choose_resident_blocks", trailing)  # where Schedule.for_config looks
     tm.clear_recordings()
     after = tm.record_schedule(8, 4, "leading", 1)
     assert before.resident == (True,) * 4 + (False,) * 4 and after.resident == (False,) * 4 + (True,) * 4
@@ -206,6 +206,23 @@ def test_choose_plan_picks_a_setting_at_the_bound_where_leading_misses_it():
         other = pc.choose_plan(c, gpu, [(policy, prefetch, resident)])
         if other.prediction.step_s <= fastest * pc.CLOSE_STEP:
             assert choice.device_bytes <= other.device_bytes
+
+
+def test_choose_plan_takes_a_deeper_ring_where_the_big_blocks_lead():
+    """Flux's shape in small (8 blocks of 680 MB, then 16 of 283 MB, each 2.36 ms on an H200) with 13 resident:
+    leading keeps the big blocks but a ring of up to 5 slots cannot take the copies of the residents' whole
+    stretch (the fastest such plan is over 1.1x its bound); strided reaches its own bound but keeps small blocks
+    and streams more bytes, so it is slower still. A deeper leading ring is faster than both and at its bound."""
+    gpu = tm.GPUS["H200 141GB"]
+    big, small, resident = 8, 16, 13
+    c = tm.ModelCosts(tuple([680 * 10**6] * big + [283 * 10**6] * small),
+                      tuple([gpu.dit_flops_per_s * 2.36e-3] * (big + small)))
+    shallow = [tm.predict(c, gpu, resident, p, k) for p, k in tm.SETTINGS if k <= 4]
+    assert min(shallow, key=lambda p: p.step_s).ratio > 1.1
+    choice = pc.choose_plan(c, gpu, [(policy, prefetch, resident) for policy, prefetch in tm.SETTINGS])
+    assert choice.policy == "leading" and choice.prefetch > 4
+    assert choice.prediction.ratio <= 1.05
+    assert choice.prediction.step_s < min(p.step_s for p in shallow)
 
 
 def test_block_flops_counts_linear_weights_and_attention():
