@@ -28,8 +28,8 @@ import torch
 
 log = logging.getLogger("layerwise_offload")
 
-__all__ = ["ALIGN", "DiskTierError", "CacheFile", "padded", "remove_stale_files", "aligned_buffer",
-           "disk_tier_unsupported"]
+__all__ = ["ALIGN", "DiskTierError", "CacheFile", "PROBE_PREFIX", "padded", "remove_stale_files",
+           "aligned_buffer", "disk_tier_unsupported"]
 
 # What the disk tier's reads and writes need from the OS: positioned vectored I/O and page-cache advice.
 _NEEDED = ("preadv", "pwrite", "posix_fadvise", "fdatasync")
@@ -45,7 +45,9 @@ def disk_tier_unsupported() -> Optional[str]:
 
 ALIGN = 4096
 PREFIX = "layerwise-offload-"
-_NAME = re.compile(rf"^{PREFIX}(\d+)-[0-9a-f]+\.(bin|partial)$")
+# The read-rate probe's file (disk/read_rate.py): hidden, so nothing takes it for a cache file, yet removed as one.
+PROBE_PREFIX = f".{PREFIX}probe-"
+_NAME = re.compile(rf"^(?:{PREFIX}(\d+)-[0-9a-f]+\.(?:bin|partial)|{re.escape(PROBE_PREFIX)}(\d+)-[0-9a-f]+)$")
 _LIVE: Set[str] = set()
 _TMPFS_MAGIC_TYPES = ("tmpfs", "ramfs")
 
@@ -85,7 +87,8 @@ def remove_stale_files(folder: str) -> int:
         return 0
     for name in names:
         match = _NAME.match(name)
-        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+        pid = int(match.group(1) or match.group(2)) if match else None
+        if pid is not None and pid != os.getpid() and not _pid_alive(pid):
             try:
                 os.unlink(os.path.join(folder, name))
                 removed += 1

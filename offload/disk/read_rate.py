@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Dict, Optional
 
-from .cache_file import ALIGN, PREFIX, aligned_buffer
+from .cache_file import ALIGN, PROBE_PREFIX, aligned_buffer
 
 __all__ = ["DISK_READ_RATE_ENV", "PROBE_BYTES", "PROBE_SECONDS", "DiskReadRate", "disk_read_rate", "format_rate",
            "forget_measured_rates", "parse_read_rate"]
@@ -106,9 +106,9 @@ def forget_measured_rates() -> None:
 
 
 def _probe_folder(folder: str) -> DiskReadRate:
-    """Write a probe file in ``folder`` (named like a cache file, so a killed process's is removed as one), sync it,
-    drop it from the page cache, read it back, delete it."""
-    path = os.path.join(folder, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}.partial")
+    """Write a probe file in ``folder`` (a hidden name that a killed process's next start removes as it does cache
+    files), sync it, drop it from the page cache, read it back, delete it."""
+    path = os.path.join(folder, f"{PROBE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         chunk = aligned_buffer(PROBE_REQUEST_BYTES)

@@ -4,6 +4,8 @@ $LAYERWISE_OFFLOAD_DISK_READ_RATE. (tests/e2e/test_slow_disk.py measures a reall
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -60,6 +62,19 @@ def test_the_rate_is_measured_once_per_file_system_and_leaves_no_file(tmp_path, 
     assert first.bytes_per_s > 0 and "measured on" in first.how
     assert os.listdir(tmp_path / "a") == [] and os.listdir(tmp_path / "b") == []
     forget_measured_rates()
+
+
+def test_a_killed_processs_probe_file_is_removed_as_its_cache_file_would_be(tmp_path):
+    """The probe's file is hidden (nothing waiting for a cache file takes it for one) and a dead process's is
+    removed by the next disk tier in that folder; a live process's stays."""
+    from layerwise_offload.offload.disk.cache_file import PROBE_PREFIX, remove_stale_files
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    left = tmp_path / f"{PROBE_PREFIX}{int(dead.stdout)}-0123456789ab"
+    mine = tmp_path / f"{PROBE_PREFIX}{os.getpid()}-0123456789ab"
+    left.write_bytes(b"x")
+    mine.write_bytes(b"x")
+    assert PROBE_PREFIX.startswith(".") and remove_stale_files(str(tmp_path)) == 1
+    assert not left.exists() and mine.exists()
 
 
 def tiers(rate, available, mode="auto", sizes=(BLOCK,) * NUM_BLOCKS, how="given"):
