@@ -107,7 +107,15 @@ def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, dev
     if manager is None or manager.device != normalize_device(torch.device(device)):
         if manager is not None:
             manager.detach()
-        manager = LayerwiseOffloadManager(discovered.blocks, device, config, comfyui_host_environment())
+        made: List[weakref.ref] = []  # the probe reads the manager weakly: ComfyUI frees it by reference count
+
+        def loopback_device_bytes() -> int:
+            this = made[0]() if made else None
+            return 0 if this is None else max(0, this.planned_device_bytes() - this.device_bytes())  # not yet held
+        loopback = normalize_device(torch.device(device)).type == "cpu"
+        manager = LayerwiseOffloadManager(discovered.blocks, device, config, comfyui_host_environment(
+            loopback_device_bytes if loopback else None))
+        made.append(weakref.ref(manager))
         _MANAGERS[diffusion_model] = manager
     return manager
 

@@ -14,7 +14,7 @@ accounting, and its LoRA backups.
 from __future__ import annotations
 
 import os
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ from torch import nn
 import comfy.model_management
 
 from ..offload import HostEnvironment, clear_cuda_error, weight_parts
+from ..offload.host import side as host_side
 
 
 class ComfyUIPinner:
@@ -94,11 +95,21 @@ def comfyui_pinned_memory_cap(own_pinned_bytes: int = 0) -> Optional[int]:
     return comfyui_pin_cap_left(own_pinned_bytes)
 
 
-def comfyui_host_environment() -> HostEnvironment:
-    """The host as ComfyUI runs it: its pinner and pinned-memory cap, its temp folder for the disk tier."""
+def comfyui_host_environment(loopback_device_bytes: Optional[Callable[[], int]] = None) -> HostEnvironment:
+    """The host as ComfyUI runs it: its pinner and pinned-memory cap, its temp folder for the disk tier.
+
+    ``loopback_device_bytes`` (the CPU loopback only): what the plan will hold on the "device" once armed (its
+    streaming slots and residents) beyond what it holds now. There the device's memory is host RAM as well, so the host store plans with
+    that much less, as it would beside a GPU holding them in VRAM; otherwise it fills the RAM the slots are then
+    allocated from (a 10.8 GiB Flux in a 5.2 GiB cgroup: 4.3 GiB packed, then 1.3 GiB of slots, OOM-killed)."""
     pinner = comfyui_pinner()
-    return HostEnvironment(pin_cap=comfyui_pinned_memory_cap, disk_folder=comfyui_disk_folder(),
-                           **({} if pinner is None else {"pinner": pinner}))
+    extra = {} if pinner is None else {"pinner": pinner}
+    if loopback_device_bytes is not None:
+        def available_beside_the_loopback() -> Optional[int]:
+            free = host_side.available_host_bytes()  # the figure the host side reads by default
+            return None if free is None else max(0, free - loopback_device_bytes())
+        extra["available_host_bytes"] = available_beside_the_loopback
+    return HostEnvironment(pin_cap=comfyui_pinned_memory_cap, disk_folder=comfyui_disk_folder(), **extra)
 
 
 def compact_backups(patcher, keys: Iterable[str], buffers: Iterable[Optional[torch.Tensor]]) -> int:

@@ -78,7 +78,8 @@ def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
     want = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
     model = tiny_dits.build_tiny("wan21")
     block = sum(p.nbytes for p in model.get_model_object("diffusion_model").blocks[0].parameters())
-    _available(monkeypatch, PACKING_SLACK_BYTES + 2 * block)
+    # + the CPU loopback's "VRAM", host RAM here: 2 residents and 2 streaming slots, which the host store leaves.
+    _available(monkeypatch, PACKING_SLACK_BYTES + 2 * block + 4 * block)
     assert torch.equal(tiny_dits.sample(offload_model(model, 2, 1, "strided", True, "ram"), seed=3), want)
     mm.unload_all_models()
 
@@ -144,6 +145,27 @@ def test_auto_weighs_the_disks_read_rate_and_the_stats_node_says_why(monkeypatch
     why = "disk fast enough" if fast else "disk too slow for auto's 512 MiB RAM margin"
     assert why in text and f"set by $LAYERWISE_OFFLOAD_DISK_READ_RATE" in text, text
     del held
+
+
+def test_on_the_cpu_loopback_the_host_store_leaves_the_devices_ram(monkeypatch, tmp_path):
+    """On the CPU loopback the "VRAM" (the residents and the streaming slots) is host RAM too: the host store plans
+    with the RAM less what the armed plan will hold there, as it would beside a GPU holding them in VRAM. (It
+    planned with all of it and filled the RAM the slots were then taken from: a 10.8 GiB Flux in a 5.2 GiB cgroup
+    packed 4.3 GiB, then 1.3 GiB of slots, OOM-killed.)"""
+    monkeypatch.setenv("LAYERWISE_OFFLOAD_DISK_DIR", str(tmp_path))
+    want = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
+    mm.unload_all_models()
+    available = 2**30
+    _available(monkeypatch, available)
+    offloaded = offload_model(tiny_dits.build_tiny("wan21"), 1, 1, "leading", True, "auto")
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
+    manager = controller_of(offloaded).manager
+    sizes = manager.block_nbytes()
+    device = manager.planned_device_bytes()
+    assert device == sizes[0] + 2 * max(sizes[1:])  # one resident, two slots of prefetch 1
+    assert manager.host.tier_plan.available_bytes == available - device
+    assert manager.device_bytes() == device  # armed: held now, so a later plan no longer takes it off
+    mm.unload_all_models()
 
 
 def random_block_lora(patcher, seed=7, rank=2):
