@@ -45,6 +45,9 @@ log = logging.getLogger("layerwise_offload")
 AUTO_GROW_HYSTERESIS = 1
 
 _MANAGERS: "weakref.WeakKeyDictionary[nn.Module, LayerwiseOffloadManager]" = weakref.WeakKeyDictionary()
+# The device LoRA's scratch per manager (the latest load's): beside the blocks on the device, so on the CPU loopback
+# in host RAM too, which the host store leaves free (shared_manager).
+_LORA_SCRATCH: "weakref.WeakKeyDictionary[LayerwiseOffloadManager, int]" = weakref.WeakKeyDictionary()
 
 DIFFUSION_MODEL_PREFIX = "diffusion_model."
 
@@ -111,7 +114,9 @@ def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, dev
 
         def loopback_device_bytes() -> int:
             this = made[0]() if made else None
-            return 0 if this is None else max(0, this.planned_device_bytes() - this.device_bytes())  # not yet held
+            if this is None:
+                return 0
+            return max(0, this.planned_device_bytes() - this.device_bytes()) + _LORA_SCRATCH.get(this, 0)
         loopback = normalize_device(torch.device(device)).type == "cpu"
         manager = LayerwiseOffloadManager(discovered.blocks, device, config, comfyui_host_environment(
             loopback_device_bytes if loopback else None))
@@ -227,7 +232,7 @@ class OffloadController:
         apply_cast_decisions(patcher, decisions, device_to)
         self.put_non_block_weights(patcher, device_to, decisions)
         plan = {} if bake_all else device_patch_plan(patcher, self.discovered.blocks, self.block_keys, decisions)
-        self.device_lora_scratch = scratch_bytes(self.discovered.blocks, plan)
+        self.device_lora_scratch = _LORA_SCRATCH[self.manager] = scratch_bytes(self.discovered.blocks, plan)
         self._fit_budget(extra_memory, loaded_before)
         self._use_own_settings()
         self._bake_block_patches(patcher, device_to, decisions,

@@ -99,9 +99,10 @@ def comfyui_host_environment(loopback_device_bytes: Optional[Callable[[], int]] 
     """The host as ComfyUI runs it: its pinner and pinned-memory cap, its temp folder for the disk tier.
 
     ``loopback_device_bytes`` (the CPU loopback only): what the plan will hold on the "device" once armed (its
-    streaming slots and residents) beyond what it holds now. There the device's memory is host RAM as well, so the host store plans with
-    that much less, as it would beside a GPU holding them in VRAM; otherwise it fills the RAM the slots are then
-    allocated from (a 10.8 GiB Flux in a 5.2 GiB cgroup: 4.3 GiB packed, then 1.3 GiB of slots, OOM-killed)."""
+    streaming slots and residents) beyond what it holds now, and the device LoRA's scratch. There the device's
+    memory is host RAM as well, so the host store plans with that much less, as it would beside a GPU holding them
+    in VRAM; otherwise it fills the RAM the slots are then allocated from (a 10.8 GiB Flux in a 5.2 GiB cgroup:
+    4.3 GiB packed, then 1.3 GiB of slots, OOM-killed)."""
     pinner = comfyui_pinner()
     extra = {} if pinner is None else {"pinner": pinner}
     if loopback_device_bytes is not None:

@@ -167,6 +167,17 @@ def test_on_the_cpu_loopback_the_host_store_leaves_the_devices_ram(monkeypatch, 
     assert manager.device_bytes() == device  # armed: held now, so a later plan no longer takes it off
     mm.unload_all_models()
 
+    # A LoRA before the node: its math's scratch is "VRAM" beside the blocks too.
+    lora_model = tiny_dits.build_tiny("wan21")
+    patched, _ = comfy.sd.load_lora_for_models(lora_model, None, random_block_lora(lora_model), 0.8, 0)
+    offloaded = offload_model(patched, 1, 1, "leading", True, "auto")
+    tiny_dits.sample(offloaded, seed=3)
+    controller = controller_of(offloaded)
+    assert controller.device_lora_scratch > 0
+    assert controller.manager.host.tier_plan.available_bytes == (
+        available - controller.manager.planned_device_bytes() - controller.device_lora_scratch)
+    mm.unload_all_models()
+
 
 def random_block_lora(patcher, seed=7, rank=2):
     generator = torch.Generator().manual_seed(seed)
