@@ -78,9 +78,6 @@ class DiskReadRate:
     bytes_per_s: float
     how: str
 
-    def words(self) -> str:
-        return f"{format_rate(self.bytes_per_s)}, {self.how}"
-
 
 def disk_read_rate(path: str) -> DiskReadRate:
     """The read rate of the file system holding ``path`` (a cache-file folder, made if missing, or a file the blocks
