@@ -2,14 +2,16 @@
 # The whole GPU measurement in ONE device call of at most LIMIT_S (570) seconds, set-up included; no network
 # (docs/gpu_run.md: the plan, the caps, how to read the tables).
 #
-#   bash bench/gpu_prep.sh             # here, once: fills .gpu/ (two ComfyUI trees, four wheels; < 60 MiB)
+#   bash bench/gpu_prep.sh             # here, once: fills .gpu/ (two ComfyUI trees, five wheels; < 60 MiB)
 #   bash bench/gpu_run.sh              # on the device: carry [".gpu"], timeout_s 600
 #   bash bench/gpu_run.sh --dry-run    # on the CPU: the time plan, then every step at the tiny presets
 #
 # Every step (bench/gpu_steps.py) is its own process under its own cap (min(cap, time left)); a step that fails or
 # is cut is logged and the next one runs. Rows are appended to $OUT/{preflight,blocks,steps}.csv as each is
-# measured, so a cut run keeps what it measured. Needs on the device: python3 with torch (CUDA) and ComfyUI's
-# import-time packages (the image lacks torchsde, trampoline, comfy-aimdo, comfy-kitchen: wheels in .gpu).
+# measured, so a cut run keeps what it measured. Needs on the device: python3 (3.12) with torch (CUDA; 2.11 in the
+# image) and ComfyUI's import-time packages (the image lacks torchsde, trampoline, comfy-aimdo, comfy-kitchen, maybe
+# torchaudio: wheels in .gpu, torchaudio installed only where the image has none). The native to beat is ComfyUI
+# 0.33.0, whose dynamic VRAM (comfy-aimdo) is its default on NVIDIA.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -22,16 +24,18 @@ RESERVE_S="${RESERVE_S:-10}" # kept back at the end (the last step's kill-after 
 WORK="${WORK:-/tmp/lwo_gpu}"
 
 # name cap_s comfyui step-arguments...  (the order is the priority: a run that runs short loses the last ones)
+# --sweep: every resident count 0..N in steps (gpu_steps.sweep_counts), at the node's defaults, each beside the
+# timing model's prediction for the same setting, per-block CUDA-event timelines in timeline.csv.
 PLAN=(
     "preflight   35 075 preflight"
-    "s075_flux   80 075 sidebyside --preset flux --lowvram --sweep"
-    "s075_wan    95 075 sidebyside --preset wan21_14b --lowvram --sweep"
-    "s014_flux   45 014 sidebyside --preset flux"
-    "dyn014_flux 45 014 dynamic --preset flux"
-    "lora_075    50 075 lora --preset wan21_14b"
-    "fp8_014     55 014 fp8 --preset wan21_14b"
-    "s014_wan    45 014 sidebyside --preset wan21_14b"
-    "dyn014_wan  45 014 dynamic --preset wan21_14b"
+    "s075_flux   90 075 sidebyside --preset flux --lowvram --sweep"
+    "s075_wan   100 075 sidebyside --preset wan21_14b --lowvram --sweep"
+    "s033_flux   45 033 sidebyside --preset flux"
+    "dyn033_flux 45 033 dynamic --preset flux"
+    "lora_075    45 075 lora --preset wan21_14b"
+    "fp8_033     50 033 fp8 --preset wan21_14b"
+    "s033_wan    45 033 sidebyside --preset wan21_14b"
+    "dyn033_wan  45 033 dynamic --preset wan21_14b"
 )
 planned=$(( SETUP_S + RESERVE_S ))
 for entry in "${PLAN[@]}"; do read -r _ cap _ <<<"$entry"; planned=$(( planned + cap )); done
@@ -39,11 +43,11 @@ for entry in "${PLAN[@]}"; do read -r _ cap _ <<<"$entry"; planned=$(( planned +
 if (( DRY )); then
     OUTDIR="${RESULTS:-$WORK/dry_out}"
     PY="${PYTHON:-$ROOT/.venv/bin/python}"           # this machine's environments stand in for the device's
-    PY14="${PYTHON_014:-$ROOT/.venv-0.14.1/bin/python}"
+    PY33="${PYTHON_033:-$ROOT/.venv-0.33.0/bin/python}"
 else
     OUTDIR="${OUT:-$ROOT/bench/results/gpu}"
     PY="${PYTHON:-python3}"
-    PY14="$PY"
+    PY33="$PY"
 fi
 rm -rf "$WORK/state"
 mkdir -p "$OUTDIR" "$WORK"
@@ -71,30 +75,46 @@ comfy_tree() {  # comfy_tree VERSION LOCAL_FALLBACK -> prints the folder to use
     fi
 }
 C075="$(comfy_tree 0.3.75 "$ROOT/.comfyui/ComfyUI")"
-C014="$(comfy_tree 0.14.1 "$ROOT/.comfyui/ComfyUI-0.14.1")"
-say "ComfyUI 0.3.75 at ${C075:-<missing: run bash bench/gpu_prep.sh, carry .gpu>}; 0.14.1 at ${C014:-<missing>}"
+C033="$(comfy_tree 0.33.0 "$ROOT/.comfyui/ComfyUI-0.33.0")"
+say "ComfyUI 0.3.75 at ${C075:-<missing: run bash bench/gpu_prep.sh, carry .gpu>}; 0.33.0 at ${C033:-<missing>}"
 
 DEVICE_PYTHON="${DEVICE_PYTHON:-3.12}"
-SITE="$WORK/site"; SITE14="$WORK/site-0.14.1"
+SITE="$WORK/site"; SITE33="$WORK/site-0.33.0"
 install_wheels() {  # install_wheels DIR TARGET: a dry run checks the wheels are there and fit the device's Python
-    local dir="$1" target="$2" whl
-    compgen -G "$dir/*.whl" >/dev/null || { say "no wheels in $dir (run bash bench/gpu_prep.sh)"; return 1; }
+    local dir="$1" target="$2" whl name unpacked="$WORK/wheels/$(basename "$1")"
+    compgen -G "$dir/*.whl*" >/dev/null || { say "no wheels in $dir (run bash bench/gpu_prep.sh)"; return 1; }
+    for whl in "$dir"/*.whl*; do
+        name="$(basename "$whl" .xz)"
+        case "$name" in
+            *-py3-none-*|*-cp${DEVICE_PYTHON/./}-*|*-abi3-*) ;;
+            *) say "$name does not fit Python $DEVICE_PYTHON"; return 1 ;;
+        esac
+    done
     if (( DRY )); then
-        for whl in "$dir"/*.whl; do
-            case "$(basename "$whl")" in
-                *-py3-none-*|*-cp${DEVICE_PYTHON/./}-*|*-abi3-*) ;;
-                *) say "$(basename "$whl") does not fit Python $DEVICE_PYTHON"; return 1 ;;
-            esac
-        done
         say "dry run: $(ls "$dir" | tr '\n' ' ')fit Python $DEVICE_PYTHON (not installed: this machine's venvs stand in)"
         return 0
     fi
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$dir"/*.whl
+    # A wheel too big for the carry comes as <wheel>.xz (gpu_prep.sh): unpacked with the standard library's lzma.
+    rm -rf "$unpacked" && mkdir -p "$unpacked" || return 1
+    for whl in "$dir"/*.whl*; do
+        if [[ "$whl" == *.xz ]]; then
+            "$PY" -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), open(sys.argv[2], "wb"))' \
+                "$whl" "$unpacked/$(basename "$whl" .xz)" || return 1
+        else
+            cp "$whl" "$unpacked/" || return 1
+        fi
+    done
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$unpacked"/*.whl
 }
 if [[ -d .gpu/wheels ]]; then install_wheels .gpu/wheels "$SITE" || STATUS=1
 elif (( ! DRY )); then say "no .gpu/wheels: ComfyUI cannot import torchsde"; STATUS=1; fi
-if [[ -d .gpu/wheels-0.14.1 ]]; then install_wheels .gpu/wheels-0.14.1 "$SITE14" || STATUS=1
-elif (( ! DRY )); then say "no .gpu/wheels-0.14.1: the 0.14.1 steps fail at import"; STATUS=1; fi
+if [[ -d .gpu/wheels-0.33.0 ]]; then install_wheels .gpu/wheels-0.33.0 "$SITE33" || STATUS=1
+elif (( ! DRY )); then say "no .gpu/wheels-0.33.0: the 0.33.0 steps fail at import"; STATUS=1; fi
+# 0.33's comfy.sd imports torchaudio; the image's own, where it has one, is the one built for its torch.
+if "$PY33" -c 'import torchaudio' >/dev/null 2>&1; then
+    say "torchaudio: $("$PY33" -c 'import torchaudio; print(torchaudio.__version__)' 2>/dev/null) (this Python's own)"
+elif [[ -d .gpu/wheels-torchaudio ]]; then install_wheels .gpu/wheels-torchaudio "$SITE33" || STATUS=1
+else say "no torchaudio and no .gpu/wheels-torchaudio: the 0.33.0 steps fail at import"; STATUS=1; fi
 {
     date -u
     (( DRY )) || nvidia-smi --query-gpu=name,driver_version,memory.total,pcie.link.gen.max,pcie.link.width.max --format=csv 2>&1
@@ -109,7 +129,7 @@ ran=()
 for entry in "${PLAN[@]}"; do
     read -r name cap version args <<<"$entry"
     if [[ "$version" == 075 ]]; then tree="$C075"; py="$PY"; path="$SITE"
-    else tree="$C014"; py="$PY14"; path="$SITE14:$SITE"; fi
+    else tree="$C033"; py="$PY33"; path="$SITE33:$SITE"; fi
     if (( DRY )); then cap=600; else budget=$(left); (( budget < cap )) && cap=$budget; fi
     if [[ -z "$tree" ]]; then say "$name: skipped, no ComfyUI tree for $version"; STATUS=1; continue; fi
     if (( cap < 15 )); then say "$name: skipped, $(left) s left of LIMIT_S"; STATUS=1; continue; fi
@@ -124,7 +144,7 @@ done
 
 say "done in $(( $(date +%s) - START )) s, status $STATUS; steps that ended well: ${ran[*]:-none}"
 if (( DRY )); then  # the plan is whole when every step ended and every table has its header and the steps' rows
-    for table in preflight blocks steps; do
+    for table in preflight blocks steps timeline; do
         head -1 "$OUTDIR/$table.csv" 2>/dev/null | grep -q , || { say "dry run: $table.csv has no header"; STATUS=1; }
     done
     for entry in "${PLAN[@]}"; do

@@ -3,15 +3,19 @@ goes to a CSV as it is measured.
 
     python -P bench/gpu_steps.py preflight  --out DIR --work W
     python -P bench/gpu_steps.py sidebyside --out DIR --work W --preset flux [--lowvram] [--sweep]
-    python -P bench/gpu_steps.py lora|fp8   --out DIR --work W        (fp8: ComfyUI 0.14.1 with comfy-kitchen)
-    python -P bench/gpu_steps.py dynamic    --out DIR --work W --preset flux   (ComfyUI 0.14.1's dynamic VRAM)
+    python -P bench/gpu_steps.py lora|fp8   --out DIR --work W        (fp8: ComfyUI 0.33.0 with comfy-kitchen)
+    python -P bench/gpu_steps.py dynamic    --out DIR --work W --preset flux   (ComfyUI 0.33.0's dynamic VRAM)
     ... --dry-run: the same code on the CPU loopback at the tiny presets (no ballast, no registration timing)
 
 ``sidebyside``: the full load (the reference; per-block compute from CUDA events, per-block copies of registered
 memory), then at each budget B (fractions f: non-block weights + f x the blocks + the full load's activation peak
-+ 1.5 GiB, held free by a ``Ballast``) ComfyUI's own offloading (``--lowvram``) and this pack at auto, then
-(``--sweep``) fixed resident counts at the smallest B. ``<work>/state/`` hands the reference and budgets to the
-0.14.1 ``dynamic`` process, which starts comfy-aimdo in ComfyUI's order (its state is global: a process of its own).
++ 1.5 GiB, held free by a ``Ballast``) ComfyUI's own offloading (``--lowvram``) and this pack at its defaults, then
+(``--sweep``) every resident count 0..N in steps (:func:`sweep_counts`), with the whole device and the node's
+defaults for policy and prefetch, each beside the timing model's prediction for the setting that ran (the replay of
+offload/timing_model.py fed this GPU's measured per-block compute and copy rate) and with its per-block CUDA-event
+timeline (``timeline.csv``). ``<work>/state/`` hands the reference and budgets to the 0.33.0 ``dynamic`` process,
+which starts comfy-aimdo in ComfyUI's order (its state is global: a process of its own) and counts the bytes dynamic
+VRAM really moves (:class:`VbarCastCounter`).
 """
 
 from __future__ import annotations
@@ -33,19 +37,24 @@ if __name__ == "__main__":  # run by path: the pack registered as `layerwise_off
     import runpy
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["enter_pack"](globals())
     if sys.argv[1:2] == ["dynamic"]:
-        # ComfyUI's cuda_malloc.py loads aimdo's library before anything imports torch; so does the dynamic step.
+        # ComfyUI's main.py loads aimdo's library before anything imports torch; so does the dynamic step.
         import comfy_aimdo.control
-        AIMDO_BEFORE_TORCH = "torch" not in sys.modules and bool(comfy_aimdo.control.init())
+        try:
+            AIMDO_BEFORE_TORCH = "torch" not in sys.modules and bool(
+                comfy_aimdo.control.init(simple_vram_headroom=None, nvml_pressure=True))
+        except TypeError:  # comfy-aimdo 0.4.9's protocol
+            AIMDO_BEFORE_TORCH = "torch" not in sys.modules and bool(comfy_aimdo.control.init())
         os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ""
 
 import torch  # noqa: E402
 
 from .harness import BenchConfig, Harness  # noqa: E402
-from .measure import (CPU_LOOPBACK_ENV, CastCounter, StepClock, bitwise_equal, block_lora,  # noqa: E402
-                      comfyui_version, copy_seconds, elapsed, mark, our_footprint, page_aligned_host, with_lora)
+from .measure import (CPU_LOOPBACK_ENV, StepClock, bitwise_equal, block_lora, comfyui_version,  # noqa: E402
+                      copy_seconds, elapsed, mark, page_aligned_host, tensor_nbytes, with_lora)
 from ..devtools import comfy_env  # noqa: E402
 
 DRY_PRESETS = {"flux": "tiny", "wan21_14b": "tiny_wan"}  # what a dry run builds in a preset's place
+AUTO_POLICY = "auto"  # the node's residency_policy default (nodes/offload_node.py; not imported: ComfyUI comes later)
 HEADROOM = 3 << 29  # 1.5 GiB: ComfyUI keeps minimum_inference_memory + reserved VRAM free on top of its estimate
 TABLES: Dict[str, tuple] = {
     # One measured quantity per row: the preflight is a handful of numbers, not a grid.
@@ -55,12 +64,21 @@ TABLES: Dict[str, tuple] = {
                "note"),
     # One sampling run per row, every mode of every step: the deciding table. speedup_vs_comfy is always this
     # pack's gain over ComfyUI's own offloading at the same budget: on a pack row ComfyUI's step time over the
-    # row's; on a 0.14.1 comfy_dynamic row (measured after the pack, in its own process) the row's over the pack's.
+    # row's; on a 0.33.0 comfy_dynamic row (measured after the pack, in its own process) the row's over the pack's.
+    # resident_bytes_per_step (comfy_dynamic): bytes of the modules whose VBAR pages were still resident, which
+    # moved nothing; streamed_bytes_per_step counts only what was copied.
     "steps": ("comfyui", "step", "preset", "mode", "weights", "budget", "budget_bytes", "ballast_bytes",
               "num_blocks", "resident", "prefetch", "policy", "steps", "forwards_per_step", "step_ms",
               "step_ms_spread", "streamed_bytes_per_step", "stall_ms_per_step", "stall_pct", "compute_ms",
-              "gbps", "bound_ms", "ratio_to_bound", "speedup_vs_comfy", "device_peak_bytes",
-              "weights_device_bytes", "bitwise_equal_full", "seconds", "error"),
+              "gbps", "bound_ms", "ratio_to_bound", "predicted_step_ms", "predicted_ratio_to_bound",
+              "speedup_vs_comfy", "device_peak_bytes", "weights_device_bytes", "resident_bytes_per_step",
+              "bitwise_equal_full", "seconds", "error"),
+    # Per block of a sweep run's last forward, measured (CUDA events on the compute stream) beside the timing
+    # model's replay of the same setting; ms from the end of the forward before's last block. measured_start is
+    # queued before the manager's wait for the block's copy, so end - start includes any stall.
+    "timeline": ("comfyui", "step", "preset", "resident", "policy", "prefetch", "block", "streamed",
+                 "measured_start_ms", "measured_end_ms", "predicted_start_ms", "predicted_end_ms",
+                 "predicted_copy_end_ms", "note"),
 }
 
 
@@ -127,7 +145,7 @@ def add_step(table: Table, **fields) -> Dict[str, object]:
 
 class Ballast:
     """Holds device memory so that ``budget`` bytes stay free (None, or the CPU: nothing is taken). Not a flag:
-    0.14.1's ``--reserve-vram`` reaches neither ``ModelPatcherDynamic.get_free_memory`` nor comfy-aimdo, while memory
+    0.14.1's ``--reserve-vram`` reached neither ``ModelPatcherDynamic.get_free_memory`` nor comfy-aimdo, while memory
     really taken is seen alike by ComfyUI's planner, aimdo's ``cuMemGetInfo`` poll and this pack's auto plan."""
 
     def __init__(self, device: torch.device, budget: Optional[int]):
@@ -299,6 +317,38 @@ def preflight(args, tables, state) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- the GPU harness
+def sweep_counts(num_blocks: int, runs: int = 7) -> List[int]:
+    """Resident counts 0..N in even steps (at most ``runs``, N always), ends first and then the middles of what is
+    left, so a step cut by its cap still spans the whole range."""
+    step = max(1, -(-num_blocks // max(1, runs - 1)))
+    counts = sorted(set(range(0, num_blocks, step)) | {num_blocks})
+    order, spans = [counts[0]] + ([counts[-1]] if len(counts) > 1 else []), [(0, len(counts) - 1)]
+    while spans:
+        a, b = spans.pop(0)
+        if b - a >= 2:
+            m = (a + b) // 2
+            order.append(counts[m])
+            spans += [(a, m), (m, b)]
+    return order
+
+
+def predict_setting(block_nbytes: Sequence[int], block_ms: Sequence[float], compute_ms: float, gbps: float,
+                    resident: int, policy: str, prefetch: int):
+    """The timing model's replay of the manager's schedule (offload/timing_model.py) for this setting, timed with
+    what this GPU measured: each block's compute from the full load's CUDA events, the rest of the full step as the
+    work outside the blocks, the copy rate of registered memory. None without those figures."""
+    from ..offload import timing_model as tm
+    if not block_ms or "" in block_ms or not gbps or compute_ms in ("", None):
+        return None
+    block_s = [float(ms) / 1e3 for ms in block_ms]
+    gpu = tm.GpuSpec("this GPU (measured)", 0, h2d_bytes_per_s=gbps * 1e9,
+                     matmul_flops_per_s=1.0 / tm.DIT_EFFICIENCY, hbm_bytes_per_s=float("inf"),
+                     source="the full load's per-block CUDA events and the preflight's registered copy rate")
+    costs = tm.ModelCosts(tuple(int(n) for n in block_nbytes), tuple(block_s),  # 1 "FLOP" a second here
+                          outside_flops=max(0.0, float(compute_ms) / 1e3 - sum(block_s)))
+    return tm.predict(costs, gpu, int(resident), policy, int(prefetch))
+
+
 class BlockClock:
     """Per-block compute time of the forwards it sees: CUDA events around each block (the clock on the CPU)."""
 
@@ -319,6 +369,16 @@ class BlockClock:
         pairs = self.marks[i][1:] or self.marks[i]  # the first call pays for first-touch and autotuning
         return sorted(elapsed(a, b) * 1e3 for a, b in pairs)[len(pairs) // 2] if pairs else ""
 
+    def last_forward_ms(self) -> List[Tuple[float, float]]:
+        """Each block's (start, end) in its last call, in ms from the end of the last block's call before; [] when
+        the blocks ran fewer than twice."""
+        n = len(self.marks)
+        if n == 0 or any(len(self.marks[i]) < 1 for i in range(n)) or len(self.marks[n - 1]) < 2:
+            return []
+        origin = self.marks[n - 1][-2][1]
+        return [(elapsed(origin, self.marks[i][-1][0]) * 1e3, elapsed(origin, self.marks[i][-1][1]) * 1e3)
+                for i in range(n)]
+
 
 class GpuHarness(Harness):
     """comfy_bench's harness measured at physically equal VRAM (a ``Ballast`` per run), with device-level peaks
@@ -332,9 +392,23 @@ class GpuHarness(Harness):
         self.references: Dict[str, torch.Tensor] = {}
         self.computes: Dict[str, float] = {}
         self.comfy_ms: Dict[str, float] = {}
-        self.auto_ms: Dict[str, float] = {}  # this pack at auto per budget: the 0.14.1 dynamic rows compare with it
+        self.auto_ms: Dict[str, float] = {}  # this pack at auto per budget: the 0.33.0 dynamic rows compare with it
         self.act_reserve = 0
         self.compute_ms: object = ""
+        self.block_ms: List[object] = []  # each block's compute in the full load (CUDA events): the model's input
+        self._controller = None  # the last run's controller, until its setting is read
+
+    def _offload(self, resident, prefetch, policy):
+        patcher = super()._offload(resident, prefetch, policy)
+        self._controller = patcher.attachments.get("layerwise_offload")
+        return patcher
+
+    def _setting_that_ran(self) -> Dict[str, object]:
+        """The policy and prefetch the node chose (residency_policy auto), read from its controller, then let go."""
+        controller, self._controller = self._controller, None
+        if controller is None:
+            return {}
+        return dict(policy=controller.config.policy, prefetch=controller.config.prefetch_size)
 
     def setup(self):
         super().setup()
@@ -342,12 +416,20 @@ class GpuHarness(Harness):
         self.gbps = self._gbps or self.h2d_gbps  # registered-memory GB/s from the preflight, else pinned here
 
     def _measure(self, mode: str, run: Callable[[], dict], label="", budget: Optional[int] = None,
-                 weights: Optional[str] = None, **fields) -> dict:
+                 weights: Optional[str] = None, clock: Optional[BlockClock] = None, **fields) -> dict:
         self._fresh()
         started = time.perf_counter()
         with Ballast(self.device, budget) as ballast, DevicePeak(self.device) as peak:
             hrow = self.guarded(run, mode, **fields)
         step_ms = hrow["step_ms"]
+        if mode.startswith("layerwise") or mode == "sweep":
+            hrow.update(self._setting_that_ran())
+        prediction = None
+        if mode in ("layerwise_auto", "layerwise", "sweep") and not hrow["error"] and hrow["resident"] != "":
+            prediction = predict_setting(self.block_nbytes, self.block_ms, self.compute_ms, self.gbps,
+                                         hrow["resident"], hrow["policy"], hrow["prefetch"])
+        if clock is not None and prediction is not None:
+            self._timeline_rows(clock, prediction, hrow)
         return add_step(
             self.tables["steps"], comfyui=self.comfyui, step=self.step, preset=self.config.preset, mode=mode,
             weights=weights or str(self.dtype).replace("torch.", ""), budget=label,
@@ -357,6 +439,8 @@ class GpuHarness(Harness):
             step_ms=step_ms, step_ms_spread=hrow["step_ms_spread"], streamed_bytes_per_step=hrow["h2d_bytes_per_step"],
             stall_ms_per_step=hrow["stall_ms_per_step"],
             compute_ms=self.compute_ms if mode not in ("full", "full_lora") else step_ms, gbps=self.gbps,
+            predicted_step_ms=prediction.step_s * 1e3 if prediction else "",
+            predicted_ratio_to_bound=prediction.ratio if prediction else "",
             speedup_vs_comfy=ratio(self.comfy_ms.get(label, ""), step_ms) if mode.startswith("layerwise") else "",
             device_peak_bytes=peak.peak_bytes, weights_device_bytes=hrow["weights_device_bytes"],
             bitwise_equal_full=hrow["bitwise_equal"], seconds=time.perf_counter() - started, error=hrow["error"])
@@ -372,6 +456,8 @@ class GpuHarness(Harness):
             raise RuntimeError(f"[layerwise-offload] the full load failed, nothing to compare with: {row['error']}")
         self.compute_ms = float(row["step_ms"])
         self.references[mode], self.computes[mode] = self.reference, self.compute_ms
+        if clock is not None:
+            self.block_ms = [clock.median_ms(i) for i in range(len(self.discovered.blocks))]
         if self.cuda and row["device_peak_bytes"] != "":
             self.act_reserve = max(0, int(row["device_peak_bytes"]) - self.model_bytes)
         if clock is not None:
@@ -400,20 +486,25 @@ class GpuHarness(Harness):
                                       copy_ms=copy, copy_over_compute=ratio(copy, compute),
                                       note="" if self.cuda else "dry run: CPU loopback")
 
+    def _timeline_rows(self, clock: BlockClock, prediction, hrow) -> None:
+        from ..offload import choose_resident_blocks
+        measured = clock.last_forward_ms()
+        if not measured:
+            return
+        resident = choose_resident_blocks(len(self.block_nbytes), int(hrow["resident"]), hrow["policy"])
+        for i, ((start, end), (p_start, p_end)) in enumerate(zip(measured, prediction.block_spans)):
+            waited = [e for b, _, e in prediction.copy_spans if b == i and e <= p_start + 1e-9]  # the copy it used
+            self.tables["timeline"].add(
+                comfyui=self.comfyui, step=self.step, preset=self.config.preset, resident=hrow["resident"],
+                policy=hrow["policy"], prefetch=hrow["prefetch"], block=i, streamed=int(not resident[i]),
+                measured_start_ms=start, measured_end_ms=end, predicted_start_ms=p_start * 1e3,
+                predicted_end_ms=p_end * 1e3, predicted_copy_end_ms=max(waited) * 1e3 if waited else "",
+                note="" if self.cuda else "dry run: CPU clock")
+
     def budgets_for(self, fractions: str) -> List[Tuple[str, int]]:
         extra = self.act_reserve + (HEADROOM if self.cuda else 0)
         return [(f"{float(f):g}", int(self.non_block + float(f) * self.block_total + extra))
                 for f in fractions.split(",") if f.strip()]
-
-    def sweep_configs(self, budget: int) -> List[Tuple[int, int]]:
-        n = len(self.block_nbytes)
-        extra = self.act_reserve + (HEADROOM if self.cuda else 0)
-        out = []
-        for resident, prefetch in ((0, 1), (n // 4, 1), (n // 2, 1), (n // 2, 2)):
-            fits = our_footprint(self.block_nbytes, self.non_block, resident, prefetch, "leading") + extra <= budget
-            if (fits or not self.cuda) and (resident, prefetch) not in out:
-                out.append((resident, prefetch))
-        return out
 
     def comfy_lowvram(self, label: str, budget: int) -> dict:
         row = self._measure("comfy_lowvram", self.run_comfy, label, budget)  # its planner sees the ballast
@@ -421,11 +512,17 @@ class GpuHarness(Harness):
             self.comfy_ms[label] = float(row["step_ms"])
         return row
 
-    def layerwise(self, resident: int, prefetch: int, policy: str, label: str, budget: int,
-                  mode: str = "layerwise", ballast: bool = True, weights: Optional[str] = None) -> dict:
-        row = self._measure(mode, lambda: self.run_layerwise(resident, prefetch, policy), label,
-                            budget if ballast else None, weights=weights, resident=resident, prefetch=prefetch,
-                            policy=policy)
+    def layerwise(self, resident: int, prefetch: int, policy: str, label: str, budget: Optional[int],
+                  mode: str = "layerwise", ballast: bool = True, weights: Optional[str] = None,
+                  timeline: bool = False) -> dict:
+        clock = BlockClock(self.discovered.blocks, self.cuda) if timeline else None
+        try:
+            row = self._measure(mode, lambda: self.run_layerwise(resident, prefetch, policy), label,
+                                budget if ballast else None, weights=weights, clock=clock, resident=resident,
+                                prefetch=prefetch, policy=policy)
+        finally:
+            if clock is not None:
+                clock.remove()
         if mode == "layerwise_auto" and not row["error"]:
             self.auto_ms[label] = float(row["step_ms"])
         return row
@@ -448,11 +545,10 @@ def sidebyside(args, tables, state) -> int:
         for label, budget in budgets:
             if args.lowvram:
                 h.comfy_lowvram(label, budget)
-            h.layerwise(-1, 1, "leading", label, budget, mode="layerwise_auto")
-        if args.sweep and budgets:
-            label, budget = budgets[-1]
-            for resident, prefetch in h.sweep_configs(budget):
-                h.layerwise(resident, prefetch, "leading", label, budget, mode="layerwise")
+            h.layerwise(-1, 1, AUTO_POLICY, label, budget, mode="layerwise_auto")  # the node's defaults
+        if args.sweep:  # the whole device: every count fits, whatever the budgets allow
+            for resident in sweep_counts(len(h.block_nbytes)):
+                h.layerwise(resident, 1, AUTO_POLICY, "device", None, mode="sweep", ballast=False, timeline=True)
         state.save(f"{h.comfyui}_{h.config.preset}_auto", h.auto_ms)
     finally:
         h.teardown()
@@ -477,7 +573,7 @@ def lora(args, tables, state) -> int:
 
 
 def fp8(args, tables, state) -> int:
-    """bf16 and ComfyUI's fp8 mixed precision (QuantizedTensor; comfy-kitchen's kernels on 0.14.1): bytes streamed
+    """bf16 and ComfyUI's fp8 mixed precision (QuantizedTensor; comfy-kitchen's kernels on 0.33.0): bytes streamed
     and step time, each against its own full load. Outside inference_mode: QuantizedTensor weights fail under it."""
     import tempfile
     from ..devtools.quantized_models import save_fp8_mixed
@@ -506,73 +602,145 @@ def fp8(args, tables, state) -> int:
 
 # ----------------------------------------------------------------------------------------------- dynamic VRAM
 def aimdo_init(control) -> None:
-    """cuda_malloc.py's half: load aimdo's library, before anything initialises CUDA."""
-    if not control.init():
+    """main.py's first half (0.33.0): load aimdo's library before anything initialises CUDA, with main.py's
+    arguments where this aimdo takes them (no --reserve-vram; NVML pressure unless --disable-nvml-pressure)."""
+    try:
+        started = control.init(simple_vram_headroom=None, nvml_pressure=True)
+    except TypeError:  # comfy-aimdo 0.4.9's protocol, as main.py falls back to
+        started = control.init()
+    if not started:
         raise RuntimeError("comfy_aimdo.control.init() failed: aimdo's library does not load here")
     os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ""  # cuda_malloc.py: aimdo and cudaMallocAsync exclude each other
 
 
 def aimdo_init_device(control, index: int) -> None:
-    """main.py's half: aimdo takes the device (False, and every dynamic row fails, without init() first)."""
-    if not control.init_device(index):
-        raise RuntimeError(f"comfy_aimdo.control.init_device({index}) failed after init()")
+    """main.py's second half: aimdo takes the device (False, and every dynamic row fails, without init() first)."""
+    try:
+        taken = control.init_devices([(index, 0)])  # (device, --vram-headroom 0 GiB)
+    except TypeError:
+        taken = control.init_devices([index])
+    if not taken:
+        raise RuntimeError(f"comfy_aimdo.control.init_devices([{index}]) failed after init()")
 
 
 def start_dynamic_vram(control, index: int) -> str:
-    """aimdo started as ComfyUI starts it. ``control`` is ``comfy_aimdo.control`` (a parameter: the order is
+    """aimdo started as ComfyUI 0.33.0 starts it. ``control`` is ``comfy_aimdo.control`` (a parameter: the order is
     checked without a GPU, tests/comfy/test_gpu_plan.py)."""
     aimdo_init(control)
     aimdo_init_device(control, index)
-    return f"init() and init_device({index}) ok"
+    return f"init() and init_devices([{index}]) ok"
 
 
 def _import_dynamic(dry_run: bool):
-    """ComfyUI started as with ``--fast dynamic_vram``: ``cuda_malloc.py`` loads aimdo (``init()``) before CUDA,
-    ``main.py`` then gives it the device, makes ``ModelPatcherDynamic`` the ``CoreModelPatcher`` and installs its
-    allocator."""
+    """ComfyUI 0.33.0 started as its main.py starts it on NVIDIA, where dynamic VRAM is the default: aimdo's
+    library loaded (``init()``) before CUDA, then given the device, ``ModelPatcherDynamic`` made the
+    ``CoreModelPatcher`` and ``comfy.memory_management.aimdo_enabled`` turned on."""
     comfy_dir = comfy_env.comfyui_path()
     if str(comfy_dir) not in sys.path:
         sys.path.insert(0, str(comfy_dir))
     import comfy.options
     comfy.options.enable_args_parsing(False)
     import comfy.cli_args
-    comfy.cli_args.args.fast = {comfy.cli_args.PerformanceFeature.DynamicVRAM}
+    if not hasattr(comfy.cli_args, "enables_dynamic_vram"):
+        raise RuntimeError(f"[layerwise-offload] the ComfyUI at {comfy_dir} has no default dynamic VRAM: the dynamic "
+                           "step measures 0.33.0's (COMFYUI_PATH)")
     import comfy_aimdo.control
     aimdo_init(comfy_aimdo.control)  # before comfy.model_management, whose import initialises CUDA
-    started = "init() ok; init_device() needs a GPU (dry run)"
+    started = "init() ok; init_devices() needs a GPU (dry run)"
     env = comfy_env.import_comfyui(cpu=dry_run, import_nodes=False)
     gc.freeze()  # as main() does for the other steps: the collections between runs then skip what the import made
     if not dry_run:
         import comfy.memory_management
-        import comfy_aimdo.torch
         index = env.model_management.get_torch_device().index or 0
         aimdo_init_device(comfy_aimdo.control, index)
-        started = f"init() and init_device({index}) ok"
+        started = f"init() and init_devices([{index}]) ok"
         env.model_patcher.CoreModelPatcher = env.model_patcher.ModelPatcherDynamic
-        comfy.memory_management.aimdo_allocator = comfy_aimdo.torch.get_torch_allocator()
+        comfy.memory_management.aimdo_enabled = True
     return env, started
 
 
 @contextlib.contextmanager
 def _node_scope():
-    """execution.py's per-node scope: aimdo's MemPool around the work, cast buffers and watermarks reset after."""
+    """execution.py's per-node scope (0.33.0): after the node, the cast buffers, the prefetch queues and the VBAR
+    watermark limits reset."""
     import comfy.memory_management
-    allocator = comfy.memory_management.aimdo_allocator
-    if allocator is None:
+    try:
         yield
-        return
-    import comfy.model_management
-    import comfy_aimdo.model_vbar
-    with torch.cuda.use_mem_pool(torch.cuda.MemPool(allocator.allocator())):
-        try:
-            yield
-        finally:
+    finally:
+        if comfy.memory_management.aimdo_enabled:
+            import comfy.model_management
+            import comfy.model_prefetch
+            import comfy_aimdo.model_vbar
             comfy.model_management.reset_cast_buffers()
+            comfy.model_prefetch.cleanup_prefetch_queues()
             comfy_aimdo.model_vbar.vbars_reset_watermark_limits()
 
 
+class VbarCastCounter:
+    """The bytes ComfyUI 0.33's dynamic VRAM really moves. A module with VBAR pages (``_v``) is readied by
+    ``comfy.ops.cast_modules_with_vbar`` (per module at its cast, or a block's modules at once where a model
+    prefetches blocks): where aimdo's fault returns the signature the module was last cast with, its pages are still
+    resident and nothing moves (``_prefetch["resident"]``); otherwise its weight and bias (aligned, as the copy
+    moves them) and any LowVramPatch are copied. Those are counted in ``bytes``, the resident ones in
+    ``resident_bytes``. Modules without VBAR pages are cast the classic way and counted as ``measure.CastCounter``
+    counts them (a module on another device, or left lowvram). Both functions are looked up in ``comfy.ops`` at call
+    time, so replacing them there sees every cast."""
+
+    def __init__(self):
+        self.bytes = 0
+        self.resident_bytes = 0
+
+    @staticmethod
+    def _module_bytes(module) -> int:
+        import comfy.memory_management
+        aligned = getattr(comfy.memory_management, "vram_aligned_size", None)
+        tensors = [module.weight, getattr(module, "bias", None)]
+        if aligned is not None:
+            return int(aligned(tensors))
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    @contextlib.contextmanager
+    def installed(self):
+        import comfy.ops
+
+        vbar_cast = getattr(comfy.ops, "cast_modules_with_vbar", None)
+        classic_cast = comfy.ops.cast_bias_weight
+
+        def counting_vbar(comfy_modules, *args, **kwargs):
+            out = vbar_cast(comfy_modules, *args, **kwargs)
+            for module in comfy_modules:
+                if (getattr(module, "_prefetch", None) or {}).get("resident"):
+                    self.resident_bytes += self._module_bytes(module)
+                    continue
+                self.bytes += self._module_bytes(module)
+                for key in ("weight", "bias"):
+                    patch = getattr(module, key + "_lowvram_function", None)
+                    if patch is not None:
+                        self.bytes += int(patch.memory_required())
+            return out
+
+        def counting_classic(s, input=None, dtype=None, device=None, *args, **kwargs):
+            if not hasattr(s, "_v"):  # a VBAR module is counted by counting_vbar, whatever its weight's device
+                target = device if device is not None else (input.device if input is not None else None)
+                weight = getattr(s, "weight", None)
+                if hasattr(s, "prev_comfy_cast_weights") or (
+                        weight is not None and target is not None and weight.device != torch.device(target)):
+                    self.bytes += tensor_nbytes(weight) + tensor_nbytes(getattr(s, "bias", None))
+            return classic_cast(s, input, dtype, device, *args, **kwargs)
+
+        comfy.ops.cast_bias_weight = counting_classic
+        if vbar_cast is not None:
+            comfy.ops.cast_modules_with_vbar = counting_vbar
+        try:
+            yield self
+        finally:
+            comfy.ops.cast_bias_weight = classic_cast
+            if vbar_cast is not None:
+                comfy.ops.cast_modules_with_vbar = vbar_cast
+
+
 def dynamic(args, tables, state) -> int:
-    """ComfyUI 0.14.1's dynamic VRAM at the budgets and against the reference the 0.14.1 side-by-side step left."""
+    """ComfyUI 0.33.0's dynamic VRAM at the budgets and against the reference the 0.33.0 side-by-side step left."""
     log(f"comfy-aimdo init() before torch was imported: {AIMDO_BEFORE_TORCH}")
     env, started = _import_dynamic(args.dry_run)
     log(f"comfy-aimdo: {started}")
@@ -581,7 +749,7 @@ def dynamic(args, tables, state) -> int:
     version = comfyui_version()
     saved = state.load(f"{version}_{args.preset}")
     if not saved:
-        raise RuntimeError(f"[layerwise-offload] no {version}_{args.preset} in {state.folder}: the 0.14.1 "
+        raise RuntimeError(f"[layerwise-offload] no {version}_{args.preset} in {state.folder}: the {version} "
                            "side-by-side step gives the reference and budgets; run it first")
     reference = torch.load(saved["reference"])
     auto_ms = state.load(f"{version}_{args.preset}_auto")  # this pack at auto, same budgets, same reference
@@ -602,8 +770,9 @@ def dynamic(args, tables, state) -> int:
             gc.collect()
             mm.soft_empty_cache()
             begun, error, seconds = time.perf_counter(), "", []
-            counter, snap = CastCounter(), {}
-            clock = StepClock(cuda, on_first=lambda: snap.update(f=forwards[0], b=counter.bytes))
+            counter, snap = VbarCastCounter(), {}
+            clock = StepClock(cuda, on_first=lambda: snap.update(f=forwards[0], b=counter.bytes,
+                                                                 r=counter.resident_bytes))
             out = None
             with Ballast(device, budget) as ballast, DevicePeak(device) as peak:
                 try:
@@ -624,6 +793,7 @@ def dynamic(args, tables, state) -> int:
                 forwards_per_step=(forwards[0] - snap["f"]) / intervals if seconds else "",
                 step_ms=step_ms, step_ms_spread=(max(seconds) - min(seconds)) * 1e3 if seconds else "",
                 streamed_bytes_per_step=(counter.bytes - snap["b"]) / intervals if seconds else "",
+                resident_bytes_per_step=(counter.resident_bytes - snap["r"]) / intervals if seconds else "",
                 compute_ms=saved["compute_ms"], gbps=saved["gbps"], speedup_vs_comfy=ratio(step_ms, auto_ms.get(label)),
                 device_peak_bytes=peak.peak_bytes, weights_device_bytes=patcher.loaded_size(),
                 bitwise_equal_full=bitwise_equal(out, reference) if out is not None else False,

@@ -451,6 +451,12 @@ class Prediction:
     host_s: float  # the host's busy time in the step
     copies: int  # copies queued in the step (streamed blocks; chunks count as one block)
     trace: Trace = field(repr=False, compare=False, default=None)
+    # The last forward's timeline, in seconds from the end of the forward before's last block (the origin a GPU
+    # run's per-block CUDA events share, bench/gpu_steps.py): each block's kernels (start, end), and each copy
+    # into a block's memory queued in that forward or the one before (block, start, end; those before the origin
+    # negative): a block's copy may be queued a forward ahead (the end-of-forward prefetch).
+    block_spans: Tuple[Tuple[float, float], ...] = field(repr=False, compare=False, default=())
+    copy_spans: Tuple[Tuple[int, float, float], ...] = field(repr=False, compare=False, default=())
 
     @property
     def ratio(self) -> float:
@@ -475,11 +481,14 @@ def simulate(trace: Trace, costs: ModelCosts, gpu: GpuSpec, sync_each_step: bool
     step_end: List[float] = []
     host_busy: List[Tuple[float, float]] = []
     copies_per_forward: List[int] = []
+    block_spans: List[Dict[int, Tuple[float, float]]] = []  # per forward: block -> its kernels' span
+    copy_spans: List[List[Tuple[int, float, float]]] = []  # per forward: (block, start, end) of each copy
 
-    def run(stream: str, seconds: float) -> None:
+    def run(stream: str, seconds: float) -> Tuple[float, float]:
         start = max(ready.get(stream, 0.0), host)
         ready[stream] = start + seconds
         busy.setdefault(stream, []).append((start, start + seconds))
+        return start, start + seconds
 
     def spend(seconds: float) -> None:
         nonlocal host
@@ -493,13 +502,15 @@ def simulate(trace: Trace, costs: ModelCosts, gpu: GpuSpec, sync_each_step: bool
             if block is not None and not trace.resident[block] and fraction >= 1.0:
                 spend(costs.host_s_per_streamed_block)
             nbytes = costs.block_bytes[block] * fraction if block is not None else 0.0
-            run(stream, COPY_LATENCY_S + nbytes / gpu.h2d_bytes_per_s)
+            span = run(stream, COPY_LATENCY_S + nbytes / gpu.h2d_bytes_per_s)
             copies_per_forward[-1] += 1
+            if block is not None:
+                copy_spans[-1].append((block, *span))
         elif kind == "kernel":
             _, stream, what, block = op
             if what == "block":
                 spend(costs.launch_s_per_block)
-                run(stream, block_s[block])
+                block_spans[-1][block] = run(stream, block_s[block])
             elif what == "outside":
                 run(stream, outside_s)
             elif what == "transform":
@@ -517,6 +528,8 @@ def simulate(trace: Trace, costs: ModelCosts, gpu: GpuSpec, sync_each_step: bool
             host = max(host, ready.get(op[1], 0.0))
         elif kind == "forward":
             copies_per_forward.append(0)
+            block_spans.append({})
+            copy_spans.append([])
         elif kind == "step_end":
             if sync_each_step:
                 host = max(host, ready.get("compute", 0.0))
@@ -531,11 +544,15 @@ def simulate(trace: Trace, costs: ModelCosts, gpu: GpuSpec, sync_each_step: bool
     copy_busy = _busy_within(busy.get("copy", []), start, end)
     compute_busy = _busy_within(busy.get("compute", []), start, end)
     streamed = sum(costs.block_bytes[i] for i in trace.streamed_blocks)
+    origin = block_spans[-2][trace.num_blocks - 1][1]  # the forward before's last block ends
+    last = block_spans[-1]
     return Prediction(
         step_s=step, bound_s=bound_seconds(costs, gpu, trace.resident), compute_s=costs.compute_seconds(gpu),
         copy_s=streamed / gpu.h2d_bytes_per_s, copy_idle_s=(step - copy_busy) if trace.streamed_blocks else 0.0,
         compute_stall_s=step - compute_busy, host_s=_busy_within(host_busy, start, end),
-        copies=copies_per_forward[-1], trace=trace)
+        copies=copies_per_forward[-1], trace=trace,
+        block_spans=tuple((last[i][0] - origin, last[i][1] - origin) for i in range(trace.num_blocks)),
+        copy_spans=tuple((b, a - origin, e - origin) for b, a, e in copy_spans[-2] + copy_spans[-1]))
 
 
 def predict(costs: ModelCosts, gpu: GpuSpec, resident_count: int, policy: str = "leading", prefetch: int = 1,

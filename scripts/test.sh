@@ -32,11 +32,6 @@ fi
 read -r -a versions <<< "${COMFYUI_VERSIONS:-0.3.75 0.33.0}"
 declare -A venv_of=([0.3.75]=.venv [0.33.0]=.venv-0.33.0 [0.14.1]=.venv-0.14.1)
 declare -A comfy_of=([0.3.75]=.comfyui/ComfyUI [0.33.0]=.comfyui/ComfyUI-0.33.0 [0.14.1]=.comfyui/ComfyUI-0.14.1)
-# 0.14.1 earns one thing in a whole run: the GPU run's dry run (tests/comfy/test_gpu_plan.py, in the 0.3.75 pass)
-# still measures 0.14.1's dynamic VRAM as the native to beat, so its environment is set up (no tests run on it).
-if [[ $has_path == 0 && " ${versions[*]} " == *" 0.3.75 "* && " ${versions[*]} " != *" 0.14.1 "* ]]; then
-    COMFYUI_VERSION=0.14.1 bash scripts/setup_env.sh
-fi
 for v in "${versions[@]}"; do
     [[ -n "${venv_of[$v]:-}" ]] || { echo "[layerwise-offload] ERROR: COMFYUI_VERSIONS names $v; tested versions are 0.3.75 and 0.33.0 (0.14.1 on request)" >&2; exit 2; }
     COMFYUI_VERSION="$v" bash scripts/setup_env.sh

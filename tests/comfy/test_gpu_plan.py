@@ -1,5 +1,7 @@
 """The one-call GPU run (bench/gpu_run.sh) checked on the CPU: the time plan, every step end to end at the tiny
-presets (its dry run), the tables that keep each row as it is measured, and comfy-aimdo started in ComfyUI's order.
+presets (its dry run, ComfyUI 0.3.75 and 0.33.0 from this machine's venvs), the tables that keep each row as it is
+measured, the resident-count sweep beside the timing model, comfy-aimdo started in ComfyUI 0.33.0's order, and dynamic
+VRAM's bytes counted as they move.
 """
 
 import csv
@@ -14,7 +16,9 @@ import torch
 import comfy.model_management as mm
 
 from layerwise_offload.bench import gpu_steps
-from layerwise_offload.bench.gpu_steps import TABLES, Ballast, DevicePeak, Table, bound_ms, ratio
+from layerwise_offload.bench.gpu_steps import (TABLES, Ballast, DevicePeak, Table, VbarCastCounter, bound_ms,
+                                               predict_setting, ratio, sweep_counts)
+from layerwise_offload.offload import timing_model as tm
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_run.sh"
@@ -39,8 +43,8 @@ def test_the_plan_is_refused_when_its_caps_exceed_the_limit(tmp_path):
 
 
 def test_dry_run_runs_every_step_and_writes_every_table(tmp_path):
-    if not (REPO / ".venv-0.14.1" / "bin" / "python").exists():
-        pytest.skip("needs .venv-0.14.1 (ComfyUI 0.14.1's environment) for the 0.14.1 steps")
+    if not (REPO / ".venv-0.33.0" / "bin" / "python").exists():
+        pytest.skip("needs .venv-0.33.0 (ComfyUI 0.33.0's environment; scripts/test.sh sets it up) for its steps")
     if not default_comfyui():
         pytest.skip("the dry run covers both ComfyUI versions itself: it runs once, in the default ComfyUI's pass")
     run = subprocess.run(["bash", str(SCRIPT), "--dry-run"], cwd=REPO, capture_output=True, text=True, timeout=900,
@@ -65,13 +69,30 @@ def test_dry_run_runs_every_step_and_writes_every_table(tmp_path):
         assert float(row["step_ms"]) > 0 and float(row["ratio_to_bound"]) > 0
     modes = {(r["step"], r["mode"]) for r in rows}
     for step in ("s075_flux", "s075_wan"):
-        assert {(step, m) for m in ("full", "comfy_lowvram", "layerwise_auto", "layerwise")} <= modes
+        assert {(step, m) for m in ("full", "comfy_lowvram", "layerwise_auto", "sweep")} <= modes
+        sweep = [r for r in rows if r["step"] == step and r["mode"] == "sweep"]
+        num_blocks = int(sweep[0]["num_blocks"])
+        assert sorted(int(r["resident"]) for r in sweep) == sorted(sweep_counts(num_blocks))  # 0..N, all of it
+        for row in sweep:  # each run beside the model's replay of the setting that ran
+            assert row["policy"] in ("leading", "strided") and float(row["predicted_step_ms"]) > 0
+            assert float(row["predicted_ratio_to_bound"]) > 0
+    with open(folder / "timeline.csv", newline="") as f:
+        timeline = list(csv.DictReader(f))
+    for step in ("s075_flux", "s075_wan"):
+        sweep = [r for r in rows if r["step"] == step and r["mode"] == "sweep"]
+        mine = [t for t in timeline if t["step"] == step]
+        assert len(mine) == sum(int(r["num_blocks"]) for r in sweep)  # every block of every sweep run
+        for t in mine:
+            assert 0 <= float(t["predicted_start_ms"]) <= float(t["predicted_end_ms"])
+            assert float(t["measured_start_ms"]) <= float(t["measured_end_ms"])
+            assert t["streamed"] == "1" or t["predicted_copy_end_ms"] == ""
     assert {("lora_075", m) for m in ("full", "full_lora", "layerwise_lora", "layerwise")} <= modes
-    assert {r["weights"] for r in rows if r["step"] == "fp8_014"} == {"float32", "fp8_mixed"}
+    assert {r["weights"] for r in rows if r["step"] == "fp8_033"} == {"float32", "fp8_mixed"}
     fp8_streamed = {r["weights"]: int(r["streamed_bytes_per_step"]) for r in rows
-                    if r["step"] == "fp8_014" and r["mode"] == "layerwise"}
+                    if r["step"] == "fp8_033" and r["mode"] == "layerwise"}
     assert fp8_streamed["fp8_mixed"] < fp8_streamed["float32"] / 2  # the fp8 blocks stream as fp8
-    assert [r["budget"] for r in rows if r["step"] == "dyn014_flux"] == ["all", "0.3"]
+    assert [r["budget"] for r in rows if r["step"] == "dyn033_flux"] == ["all", "0.3"]
+    assert {r["comfyui"] for r in rows if r["step"].startswith(("s033", "dyn033", "fp8_033"))} == {"0.33.0"}
     with open(folder / "blocks.csv", newline="") as f:
         blocks = list(csv.DictReader(f))
     assert {b["preset"] for b in blocks} == {"tiny", "tiny_wan"}
@@ -109,32 +130,78 @@ def test_ballast_and_peak_take_nothing_on_the_cpu():
 
 
 class FakeAimdoControl:
-    """comfy_aimdo.control's contract: init_device() does nothing and returns False until init() loaded the library."""
+    """comfy_aimdo.control's contract (0.4.13, what ComfyUI 0.33.0 calls): init_devices() does nothing and returns
+    False until init() loaded the library."""
 
     def __init__(self):
         self.lib = None
         self.calls = []
 
-    def init(self):
-        self.calls.append("init")
+    def init(self, simple_vram_headroom=None, nvml_pressure=False):
+        self.calls.append(f"init({simple_vram_headroom}, {nvml_pressure})")
         self.lib = object()
         return True
 
-    def init_device(self, index):
-        self.calls.append(f"init_device({index})")
+    def init_devices(self, device_ids):
+        self.calls.append(f"init_devices({list(device_ids)})")
         return self.lib is not None
 
 
 def test_aimdo_is_started_in_comfyuis_order():
     control = FakeAimdoControl()
-    assert gpu_steps.start_dynamic_vram(control, 0) == "init() and init_device(0) ok"
-    assert control.calls == ["init", "init_device(0)"]
-    with pytest.raises(RuntimeError, match=r"init_device\(0\) failed after init\(\)"):
-        gpu_steps.aimdo_init_device(FakeAimdoControl(), 0)  # what the old bench did: every dynamic row failed
+    assert gpu_steps.start_dynamic_vram(control, 0) == "init() and init_devices([0]) ok"
+    assert control.calls == ["init(None, True)", "init_devices([(0, 0)])"]  # as 0.33.0's main.py: NVML pressure on
+    with pytest.raises(RuntimeError, match=r"init_devices\(\[0\]\) failed after init\(\)"):
+        gpu_steps.aimdo_init_device(FakeAimdoControl(), 0)  # a device before the library: every dynamic row fails
 
 
 def test_real_aimdo_refuses_a_device_before_init():
     control = pytest.importorskip("comfy_aimdo.control")
     if control.lib is not None:
         pytest.skip("aimdo's library is already loaded in this process")
-    assert control.init_device(0) is False
+    assert control.init_devices([0]) is False
+
+
+def test_the_sweep_spans_every_resident_count_ends_first():
+    for blocks in (0, 1, 8, 12, 57):
+        counts = sweep_counts(blocks)
+        assert counts[0] == 0 and counts[:2] == ([0, blocks] if blocks else [0])
+        assert len(counts) == len(set(counts)) <= 7 and max(counts) == blocks
+        gaps = [b - a for a, b in zip(sorted(counts), sorted(counts)[1:])]
+        assert not gaps or max(gaps) <= -(-blocks // 6)  # even steps over the whole range
+    assert sorted(sweep_counts(12)) == [0, 2, 4, 6, 8, 10, 12] and sorted(sweep_counts(8)) == [0, 2, 4, 6, 8]
+
+
+def test_the_prediction_beside_a_run_is_the_models_replay_with_the_measured_figures():
+    nbytes, block_ms, gbps = [2 * 10**9] * 4, [10.0] * 4, 100.0  # a block copies in 20 ms, computes in 10 ms
+    resident = predict_setting(nbytes, block_ms, 45.0, gbps, 4, "leading", 1)
+    assert resident.step_s * 1e3 == pytest.approx(45.0, rel=0.01)  # nothing streams: the full load's step
+    streamed = predict_setting(nbytes, block_ms, 45.0, gbps, 0, "leading", 1)
+    assert streamed.bound_s * 1e3 == pytest.approx(80.0) and streamed.step_s * 1e3 >= 80.0  # the copies bound it
+    assert len(streamed.block_spans) == 4 and {block for block, _, _ in streamed.copy_spans} == {0, 1, 2, 3}
+    assert predict_setting(nbytes, ["", 1.0, 1.0, 1.0], 45.0, gbps, 0, "leading", 1) is None  # a block not timed
+
+
+def test_dynamic_vram_bytes_count_only_modules_that_moved(monkeypatch):
+    """cast_modules_with_vbar needs aimdo's VBAR on a GPU: stood in by what it leaves on each module
+    (``_prefetch["resident"]``: the signature aimdo's fault returned matches the module's last cast)."""
+    import comfy.ops
+
+    def vbar_cast(comfy_modules, *args, **kwargs):
+        for module in comfy_modules:
+            module._prefetch = {"resident": module.pages_resident}
+        return None
+
+    monkeypatch.setattr(comfy.ops, "cast_modules_with_vbar", vbar_cast, raising=False)
+    linear = comfy.ops.disable_weight_init.Linear
+    moved, kept = linear(64, 32, dtype=torch.float32), linear(16, 8, bias=False, dtype=torch.float32)
+    moved.pages_resident, kept.pages_resident = False, True
+    for module in (moved, kept):
+        module._v = object()  # a VBAR allocation: the classic cast counter leaves it to the VBAR count
+    counter = VbarCastCounter()
+    with counter.installed():
+        comfy.ops.cast_modules_with_vbar([moved, kept], None, torch.device("cpu"), None, True)
+        comfy.ops.cast_modules_with_vbar([kept], None, torch.device("cpu"), None, True)  # the next forward
+    assert comfy.ops.cast_modules_with_vbar is vbar_cast  # put back
+    assert counter.bytes >= (64 * 32 + 32) * 4 and counter.bytes < (64 * 32 + 32) * 4 + 4096  # aligned, once
+    assert counter.resident_bytes >= 2 * 16 * 8 * 4  # kept twice, moved nothing

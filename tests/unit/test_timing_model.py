@@ -167,6 +167,19 @@ def test_a_changed_residency_choice_changes_the_trace(monkeypatch, fresh_recordi
     assert sorted(op[2] for op in after.forward_ops(2) if op[0] == "copy") == [0, 1, 2, 3]
 
 
+def test_the_timeline_of_the_last_forward():
+    """Per-block spans from the end of the forward before's last block (what a GPU run's CUDA events measure)."""
+    resident = tm.predict(costs(4, 2.0, 1.0), UNIT, 4)
+    assert [t for span in resident.block_spans for t in span] == pytest.approx([0, 1, 1, 2, 2, 3, 3, 4])
+    assert resident.copy_spans == ()
+    streamed = tm.predict(costs(4, 2.0, 1.0), UNIT, 0)  # copy-bound: each block waits for its copy
+    for (start, end), (next_start, _) in zip(streamed.block_spans, streamed.block_spans[1:]):
+        assert end - start == pytest.approx(1.0) and next_start >= end
+    assert streamed.block_spans[-1][1] == pytest.approx(streamed.step_s)  # no outside work: the step ends there
+    for block, (start, _) in enumerate(streamed.block_spans):  # each block's copy ends before its kernels start
+        assert any(b == block and e <= start + 1e-9 for b, _, e in streamed.copy_spans)
+    assert min(e for _, _, e in streamed.copy_spans) < 0  # block 0's copy: queued at the end of the forward before
+
 def test_steady_state_two_and_three_forwards_agree():
     c = dataclasses.replace(costs(10, 3.0, 1.0), block_flops=tuple(float(1 + i % 3) for i in range(10)))
     for resident, policy, prefetch in [(0, "leading", 1), (3, "leading", 1), (5, "strided", 2)]:
