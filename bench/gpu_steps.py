@@ -692,8 +692,10 @@ class VbarCastCounter:
 
     @staticmethod
     def _module_bytes(module) -> int:
-        import comfy.memory_management
-        aligned = getattr(comfy.memory_management, "vram_aligned_size", None)
+        try:
+            from comfy.memory_management import vram_aligned_size as aligned  # 0.33: the size the copy moves
+        except ImportError:  # a ComfyUI without VBARs (0.3.75): what a test's stand-in moved
+            aligned = None
         tensors = [module.weight, getattr(module, "bias", None)]
         if aligned is not None:
             return int(aligned(tensors))
