@@ -8,16 +8,17 @@ Cases (``--case``, any of):
                5.2 GiB cgroup
   lora-before  the same with LoraLoaderModelOnly between the loader and the node
   lora-after   the same with LoraLoaderModelOnly after the node
-  experts      two Wan 2.1 experts (fp32 blocks of 64 MiB; 22 blocks: 1.46 GiB each) taking turns as in Wan
+  experts      two Wan 2.1 experts (fp32 blocks of 64 MiB; 22 blocks: 1.43 GiB each) taking turns as in Wan
                2.2's graph (KSamplerAdvanced high noise, then low noise) in a cgroup of 0.75 x one expert
 
 The Flux cases start ComfyUI with ``--bf16-unet``: on the CPU ComfyUI would compute in float32 and convert every
-bf16 weight into RAM (a GPU keeps bf16), so the weights could not stay in the file. The cgroup holds the whole server: it starts without a limit, runs the tiny demo through the node (imports and
+bf16 weight into RAM (a GPU keeps bf16), so the weights could not stay in the file. The cgroup holds the whole
+server: it starts without a limit, runs the tiny demo through the node (imports and
 caches), unloads, drops the checkpoints from the page cache, then the limit is set and the case runs. Printed per
 case: the limit, the cgroup's peak (memory.max_usage_in_bytes), failcnt and OOM kills, the wall time, the outcome,
 bitwise or not, and the node's plan lines. Checkpoints (random weights, written tensor by tensor: never whole in
-RAM) stay in ``--workdir`` for the next run; ``--clean`` removes them at the end. The ComfyUI is the one of the
-interpreter's venv and ``COMFYUI_PATH``, as for the tests:
+RAM) and ComfyUI alone's latents stay in ``--workdir`` for the next run; ``--clean`` removes them at the end.
+The ComfyUI is the one of the interpreter's venv and ``COMFYUI_PATH``, as for the tests:
 
     COMFYUI_PATH=$PWD/.comfyui/ComfyUI .venv/bin/python -P devtools/bigger_than_ram.py --case flux experts
     COMFYUI_PATH=$PWD/.comfyui/ComfyUI-0.33.0 .venv-0.33.0/bin/python -P devtools/bigger_than_ram.py --case all
@@ -50,6 +51,7 @@ GiB, MiB = 2**30, 2**20
 NODE = "LayerwiseOffload"
 LOADER = "LayerwiseOffloadLoadDiffusionModel"
 CASES = ("flux", "lora-before", "lora-after", "experts")
+FLUX_COND_FOLDER = "layerwise_offload_btr_flux_cond"  # the tiny demo's T5-shaped context + a CLIP-L pooled vector
 WAN_EXPERT_CONFIG = dict(dim=1024, num_heads=8, ffn_dim=4096)  # fp32: 64 MiB blocks
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
@@ -124,6 +126,9 @@ def flux_checkpoint(workdir: Path, double: int, single: int) -> Tuple[Path, Dict
     if not path.is_file():
         print(f"[layerwise-offload] writing {path.name} ...", flush=True)
         specs = _meta_state("Flux", {**FLUX_DEV, "depth": double, "depth_single_blocks": single}, torch.bfloat16)
+        # The released files' names: newer ComfyUIs call the q/k RMSNorm's weight "weight", older ones detect
+        # Flux only by "scale" (and newer ones read either).
+        specs = [(re.sub(r"\.(query_norm|key_norm)\.weight$", r".\1.scale", name), shape) for name, shape in specs]
         write_random_checkpoint(path, specs, torch.bfloat16, seed=1)
     return path, checkpoint_figures(path)
 
@@ -167,6 +172,23 @@ def flux_lora(path: Path, checkpoint: Path, stride: int, rank: int = 4) -> Path:
     return path
 
 
+def write_flux_cond(base: Path) -> None:
+    """The tiny demo's saved conditioning with a ``pooled_output`` (768, CLIP-L's) added, which Flux reads as its
+    vector input (ComfyUI 0.3.75 requires it), where every tested ComfyUI's Load Training Dataset reads it."""
+    import torch
+
+    from ..demo import install_tiny_demo as demo
+
+    cond = demo.conditioning()
+    generator = torch.Generator().manual_seed(5)
+    cond["conditioning"][0][0][1]["pooled_output"] = torch.randn((1, 768), generator=generator)
+    for parent in ("output", "datasets"):
+        folder = base / parent / FLUX_COND_FOLDER
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(cond, str(folder / "shard_00000.pkl"))
+        (folder / "metadata.json").write_text(json.dumps(demo.COND_METADATA, indent=2) + "\n", encoding="utf-8")
+
+
 # --------------------------------------------------------------------------------------------------- prompts
 def _sampler(model, positive, negative, latent, seed: int, steps: int, cfg: float) -> Dict:
     return {"class_type": "KSampler", "inputs": {
@@ -177,10 +199,10 @@ def _sampler(model, positive, negative, latent, seed: int, steps: int, cfg: floa
 def flux_prompt(unet: str, node: Optional[Dict], steps: int, prefix: str, lora: Optional[str] = None,
                 lora_after: bool = False) -> Dict:
     """Loader (the Layerwise loader with the node, UNETLoader alone) [-> LoRA] [-> node] [-> LoRA] -> KSampler
-    (cfg 1: one forward per step) on a 64x64 image latent, the saved T5-shaped conditioning -> SaveLatent."""
+    (cfg 1: one forward per step) on a 64x64 image latent, the saved conditioning (write_flux_cond) -> SaveLatent."""
     loader = LOADER if node is not None else "UNETLoader"
     p = {"1": {"class_type": loader, "inputs": {"unet_name": unet, "weight_dtype": "default"}},
-         "2": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": e2e_assets.TINY_COND_FOLDER}},
+         "2": {"class_type": "LoadTrainingDataset", "inputs": {"folder_name": FLUX_COND_FOLDER}},
          "3": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["2", 1]}},
          "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
          "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": prefix}}}
@@ -369,6 +391,7 @@ def main(argv=None) -> int:
     demo_files = e2e_assets.install_demo_assets(base / "models", base / "output", with_sd15=False,
                                                 datasets_dir=base / "datasets")
     del demo_files
+    write_flux_cond(base)
     flux_cases = [c for c in cases if c != "experts"]
     flux = experts = None
     if flux_cases:
@@ -405,7 +428,8 @@ def main(argv=None) -> int:
         got = ({"outcome": "not run (--reference-only)", "limit": limit, "server_idle": 0, "seconds": 0.0, "peak": 0,
                 "failcnt": 0, "oom_kills": 0, "log": [], "log_tail": ""} if a.reference_only else
                run_limited(servers, lambda node: make(node, f"btr/{case}"), limit, files, a.timeout, extra_args))
-        row = {"comfyui": version, "case": case, "server_args": extra_args, "file_bytes": figures["file"], "blocks": figures["block_count"],
+        row = {"comfyui": version, "case": case, "server_args": extra_args, "file_bytes": figures["file"],
+               "blocks": figures["block_count"],
                **{k: v for k, v in got.items() if k not in ("latent", "log", "log_tail")},
                "plan": plan_lines(got["log"])}
         if got["outcome"] != "completed" and not a.reference_only:
@@ -416,7 +440,7 @@ def main(argv=None) -> int:
 
             # ComfyUI alone's latent, kept per version, case, steps and model: computed once, reused by later runs.
             alone = f"lora{a.lora_stride}" if case.startswith("lora") else case  # a LoRA before or after: one
-            kept = workdir / "references" / f"{version}-{alone}-{a.steps}steps-{figures['file']}.safetensors"
+            kept = workdir / "references" / f"{version}-{alone}-{a.steps}steps-{figures['file']}-p2.safetensors"
             if kept.is_file():
                 ref = {"outcome": f"completed (kept: {kept.name})", "peak": 0, "seconds": 0.0,
                        "latent": safetensors.torch.load_file(str(kept))["latent_tensor"]}
