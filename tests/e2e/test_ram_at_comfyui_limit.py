@@ -58,7 +58,7 @@ RUN_TIMEOUT = 150.0 * max(1, BLOCKS // 8)  # seconds per run: loading and one st
 MODEL_NAME = "layerwise_offload_limit_wan21.safetensors"
 GGUF_NAME = "layerwise_offload_limit_wan21_F16.gguf"
 WARM_GGUF_NAME = "layerwise_offload_limit_tiny_wan21_F16.gguf"
-CONFIG = dict(tiny_dits.WAN21_TINY_CONFIG, dim=1024, num_heads=8, ffn_dim=4096, num_layers=BLOCKS)  # fp32: 64 MiB blocks
+CONFIG = dict(tiny_dits.WAN21_TINY_CONFIG, dim=1024, num_heads=8, ffn_dim=4096, num_layers=BLOCKS)  # fp32: 64 MiB each
 GGUF_CONFIG = dict(CONFIG, ffn_dim=12288)  # F16 matrices: 64 MiB blocks
 # The node as a user drops it in (checked against the node's own defaults).
 DEFAULTS = {"resident_layers": -1, "prefetch_size": 1, "residency_policy": "auto", "pin_memory": True,
