@@ -22,6 +22,7 @@ from torch import nn
 import comfy.model_management
 
 from ..offload import HostEnvironment, clear_cuda_error, weight_parts
+from ..offload.disk.budget import PACKING_SLACK_BYTES
 from ..offload.host import side as host_side
 
 
@@ -108,7 +109,8 @@ def comfyui_host_environment(loopback_device_bytes: Optional[Callable[[], int]] 
     if loopback_device_bytes is not None:
         def available_beside_the_loopback() -> Optional[int]:
             free = host_side.available_host_bytes()  # the figure the host side reads by default
-            return None if free is None else max(0, free - loopback_device_bytes())
+            # Packing's slack (its temporaries) is free again before the first forward takes the slots: kept once.
+            return None if free is None else max(0, free - max(0, loopback_device_bytes() - PACKING_SLACK_BYTES))
         extra["available_host_bytes"] = available_beside_the_loopback
     return HostEnvironment(pin_cap=comfyui_pinned_memory_cap, disk_folder=comfyui_disk_folder(), **extra)
 
