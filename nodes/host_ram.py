@@ -22,8 +22,6 @@ from torch import nn
 import comfy.model_management
 
 from ..offload import HostEnvironment, clear_cuda_error, weight_parts
-from ..offload.disk.budget import PACKING_SLACK_BYTES
-from ..offload.host import side as host_side
 
 
 class ComfyUIPinner:
@@ -97,22 +95,13 @@ def comfyui_pinned_memory_cap(own_pinned_bytes: int = 0) -> Optional[int]:
 
 
 def comfyui_host_environment(loopback_device_bytes: Optional[Callable[[], int]] = None) -> HostEnvironment:
-    """The host as ComfyUI runs it: its pinner and pinned-memory cap, its temp folder for the disk tier.
-
-    ``loopback_device_bytes`` (the CPU loopback only): what the plan will hold on the "device" once armed (its
-    streaming slots and residents) beyond what it holds now, and the device LoRA's scratch. There the device's
-    memory is host RAM as well, so the host store plans with that much less, as it would beside a GPU holding them
-    in VRAM; otherwise it fills the RAM the slots are then allocated from (a 10.8 GiB Flux in a 5.2 GiB cgroup:
-    4.3 GiB packed, then 1.3 GiB of slots, OOM-killed)."""
+    """The host as ComfyUI runs it: its pinner and pinned-memory cap, its temp folder for the disk tier, and on the
+    CPU loopback what the "device" will take from host RAM (``loopback_device_bytes``: the armed plan's slots and
+    residents beyond what it holds now, and the device LoRA's scratch)."""
     pinner = comfyui_pinner()
     extra = {} if pinner is None else {"pinner": pinner}
-    if loopback_device_bytes is not None:
-        def available_beside_the_loopback() -> Optional[int]:
-            free = host_side.available_host_bytes()  # the figure the host side reads by default
-            # Packing's slack (its temporaries) is free again before the first forward takes the slots: kept once.
-            return None if free is None else max(0, free - max(0, loopback_device_bytes() - PACKING_SLACK_BYTES))
-        extra["available_host_bytes"] = available_beside_the_loopback
-    return HostEnvironment(pin_cap=comfyui_pinned_memory_cap, disk_folder=comfyui_disk_folder(), **extra)
+    return HostEnvironment(pin_cap=comfyui_pinned_memory_cap, disk_folder=comfyui_disk_folder(),
+                           device_bytes_from_host=loopback_device_bytes, **extra)
 
 
 def compact_backups(patcher, keys: Iterable[str], buffers: Iterable[Optional[torch.Tensor]]) -> int:

@@ -49,12 +49,17 @@ class HostEnvironment:
     figure, its memory cgroup included (:func:`~.ram.available_host_bytes`).
     ``disk_folder`` is where the disk tier's cache file goes unless $LAYERWISE_OFFLOAD_DISK_DIR says otherwise
     (None: the system temp folder; see :func:`default_disk_folder`).
+    ``device_bytes_from_host`` (a device whose memory is host RAM, as the CPU loopback's): what the device will
+    take beyond what it holds now (the armed plan's slots and residents, scratch beside them). The host store plans
+    with that much less, as it would beside a GPU holding them in VRAM; otherwise it fills the RAM the slots are
+    then allocated from (a 10.8 GiB Flux in a 5.2 GiB cgroup: 4.3 GiB packed, then 1.3 GiB of slots, OOM-killed).
     """
 
     pinner: Any = DEVICE_DEFAULT
     pin_cap: Optional[Callable[[int], Optional[int]]] = None
     available_host_bytes: Optional[Callable[[], Optional[int]]] = None
     disk_folder: Optional[str] = None
+    device_bytes_from_host: Optional[Callable[[], int]] = None
 
 
 @runtime_checkable
@@ -299,7 +304,12 @@ class HostSide:
 
     def _available_bytes(self) -> Optional[int]:
         probe = self.environment.available_host_bytes
-        return available_host_bytes() if probe is None else probe()
+        free = available_host_bytes() if probe is None else probe()
+        device_takes = self.environment.device_bytes_from_host
+        if free is None or device_takes is None:
+            return free
+        # Packing's slack (its temporaries) is free again before the first forward takes the slots: kept once.
+        return max(0, free - max(0, device_takes() - PACKING_SLACK_BYTES))
 
     def _disk_folder(self) -> str:
         return default_disk_folder(self.environment.disk_folder)
