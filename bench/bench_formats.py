@@ -55,7 +55,7 @@ def parse_formats(text: str) -> Tuple[str, ...]:
 
 def check_preset(preset: str) -> None:
     """The quantized files are read back by ComfyUI's model detection and written with Wan's key layout."""
-    from .dit_presets import PRESETS
+    from ..devtools.dit_presets import PRESETS
 
     if PRESETS[preset].comfy_config != "WAN21_T2V":
         wan = ", ".join(name for name, p in PRESETS.items() if p.comfy_config == "WAN21_T2V")

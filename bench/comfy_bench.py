@@ -7,7 +7,7 @@ node at the same VRAM budgets B for weights; ``--formats``: weight formats side 
 
 B (``--budgets``) is the non-block weights + f x the blocks' bytes, or a size (12GiB); activations come on top.
 Every mode samples the same latent and noise (Euler, ``comfy.sample.sample``, so ``load_models_gpu`` places the
-weights each time, under ``torch.inference_mode()`` as ComfyUI's executor does) on a preset (dit_presets.py):
+weights each time, under ``torch.inference_mode()`` as ComfyUI's executor does) on a preset (devtools/dit_presets.py):
 ``full`` (everything resident: the reference of every ``bitwise_equal``), ``comfy_lowvram`` (ComfyUI's partial
 loading, handed B through ``LoadedModel.model_load``: measure.comfy_weight_budget says why; it keeps the largest
 modules and casts the rest every forward), ``layerwise`` (the node at each resident count x prefetch x policy;

@@ -747,7 +747,7 @@ def dynamic(args, tables, state) -> int:
     env, started = _import_dynamic(args.dry_run)
     log(f"comfy-aimdo: {started}")
     mm = env.model_management
-    from . import dit_presets
+    from ..devtools import dit_presets
     version = comfyui_version()
     saved = state.load(f"{version}_{args.preset}")
     if not saved:

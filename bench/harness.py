@@ -104,7 +104,7 @@ class Harness:
                                f"imported earlier in this process for the other device)")
         self.cuda = self.device.type == "cuda"
 
-        from . import dit_presets
+        from ..devtools import dit_presets
         from ..nodes.discovery import discover_blocks  # imports ComfyUI: only after import_comfyui
 
         self.presets = dit_presets

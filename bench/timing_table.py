@@ -41,7 +41,7 @@ if __name__ == "__main__":  # run by path: the pack registered as `layerwise_off
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from . import dit_presets  # noqa: E402
+from ..devtools import dit_presets  # noqa: E402
 from .activation_memory import FAMILIES, flash_like_attention, meta_forward  # noqa: E402
 from .measure import RESULTS  # noqa: E402
 from ..devtools import comfy_env, template_memory  # noqa: E402

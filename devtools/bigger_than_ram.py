@@ -120,7 +120,7 @@ def checkpoint_figures(path: Path) -> Dict:
 def flux_checkpoint(workdir: Path, double: int, single: int) -> Tuple[Path, Dict]:
     import torch
 
-    from ..bench.dit_presets import FLUX_DEV
+    from .dit_presets import FLUX_DEV
 
     path = workdir / "models" / f"layerwise_offload_flux_{double}d{single}s_bf16.safetensors"
     if not path.is_file():

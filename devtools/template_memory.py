@@ -107,7 +107,7 @@ def plan_templates(cards_gb: Sequence[int] = CARDS) -> Dict:
     from .comfy_env import import_comfyui, import_pack_modules
 
     import_comfyui(cpu=True, import_nodes=False)
-    planner, discovery, presets = import_pack_modules("offload.planner", "nodes.discovery", "bench.dit_presets")
+    planner, discovery, presets = import_pack_modules("offload.planner", "nodes.discovery", "devtools.dit_presets")
     out = []
     for t in _templates(presets):
         blocks, non_block, hidden, model_class = _sizes(t, discovery)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..devtools.comfy_env import with_fields_this_comfyui_needs
+from .comfy_env import with_fields_this_comfyui_needs
 
 __all__ = ["Preset", "PRESETS", "build", "conditioning", "sample"]
 
