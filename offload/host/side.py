@@ -302,11 +302,13 @@ class HostSide:
             return None, f"not measurable on {path}: {error}"
         return rate.bytes_per_s, rate.how
 
-    def _available_bytes(self) -> Optional[int]:
+    def _available_bytes(self, beside_device: bool = True) -> Optional[int]:
+        """Host RAM free to this process; with ``beside_device``, less what a device living in host RAM will take
+        once the plan is armed (see :class:`HostEnvironment`)."""
         probe = self.environment.available_host_bytes
         free = available_host_bytes() if probe is None else probe()
         device_takes = self.environment.device_bytes_from_host
-        if free is None or device_takes is None:
+        if free is None or device_takes is None or not beside_device:
             return free
         # Packing's slack (its temporaries) is free again before the first forward takes the slots: kept once.
         return max(0, free - max(0, device_takes() - PACKING_SLACK_BYTES))
@@ -334,7 +336,9 @@ class HostSide:
         ring = plan.ring_bytes if plan is not None else 0
         named = block_parameters(self.blocks[index])
         nbytes = plan_layout(named).nbytes
-        available = self._available_bytes()
+        # The device's share is taken when the first forward arms the plan, after packing: this block's peak sees
+        # the RAM as it is now (the tier plan already left the device its share of what packing keeps).
+        available = self._available_bytes(beside_device=False)
         # What would really fail: the block's new buffer (a disk block's write chunk) before ComfyUI's copy goes.
         need = min(nbytes, CHUNK_BYTES) if on_disk else nbytes
         if available is not None and available < need + PACKING_SLACK_BYTES:
