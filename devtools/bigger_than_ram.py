@@ -61,15 +61,11 @@ def _meta_state(config_class: str, unet_config: Dict, dtype) -> List[Tuple[str, 
     """(name, shape) of every diffusion-model tensor of ``comfy.supported_models.<config_class>`` built on meta."""
     import torch
 
-    from .comfy_env import import_comfyui, with_fields_this_comfyui_needs
+    from .comfy_env import import_comfyui
+    from .tiny_dits import model_config_for
 
     env = import_comfyui(cpu=True, import_nodes=False)
-    cfg_cls = getattr(env.supported_models, config_class)
-    full = with_fields_this_comfyui_needs({**cfg_cls.unet_config, **unet_config})
-    if not cfg_cls.matches(full):
-        raise ValueError(f"{config_class}.matches() rejects {full}")
-    model_config = cfg_cls(full)
-    model_config.set_inference_dtype(dtype, None)
+    model_config = model_config_for(env, config_class, unet_config, dtype)
     with torch.device("meta"):
         dit = model_config.get_model({}, "").diffusion_model
     return [(k, tuple(v.shape)) for k, v in dit.state_dict().items()]

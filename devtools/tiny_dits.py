@@ -47,18 +47,25 @@ def init_tiny_weights(module: torch.nn.Module, seed: int, buffers: Sequence[str]
 
 # --------------------------------------------------------------------------------------------------- builders
 
+def model_config_for(env, config_cls_name: str, unet_config: Dict[str, Any], dtype: torch.dtype):
+    """``comfy.supported_models.<config_cls_name>`` over ``unet_config`` (with the fields this ComfyUI needs), as
+    ComfyUI's loader makes it, computing in ``dtype``."""
+    cfg_cls = getattr(env.supported_models, config_cls_name)
+    unet_config = with_fields_this_comfyui_needs({**cfg_cls.unet_config, **unet_config})
+    if not cfg_cls.matches(unet_config):
+        raise ValueError(f"{config_cls_name}.matches() rejects the config {unet_config}")
+    model_config = cfg_cls(unet_config)
+    model_config.set_inference_dtype(dtype, None)
+    return model_config
+
+
 def _build(config_cls_name: str, unet_config: Dict[str, Any], seed: int, dtype: torch.dtype,
            buffers: Sequence[str] = ()):
     """Instantiate ``comfy.supported_models.<config_cls_name>(unet_config)`` the way
     ``comfy.sd.load_diffusion_model_state_dict`` does, fill the weights from ``seed`` and wrap it in a ModelPatcher."""
     env = import_comfyui()
     mm = env.model_management
-    cfg_cls = getattr(env.supported_models, config_cls_name)
-    unet_config = with_fields_this_comfyui_needs({**cfg_cls.unet_config, **unet_config})
-    if not cfg_cls.matches(unet_config):
-        raise AssertionError(f"{config_cls_name}.matches() rejects the tiny config {unet_config}")
-    model_config = cfg_cls(unet_config)
-    model_config.set_inference_dtype(dtype, None)
+    model_config = model_config_for(env, config_cls_name, unet_config, dtype)
 
     model = model_config.get_model({}, "").to(mm.unet_offload_device())
     init_tiny_weights(model.diffusion_model, seed, buffers=buffers)
