@@ -64,7 +64,7 @@ def is_default(row) -> bool:
 def is_before(row) -> bool:
     return (row["policy"], row["prefetch"]) == BEFORE
 WITHIN = 1.05
-LORA_BYTES_PER_WEIGHT = 28
+LORA_BYTES_PER_WEIGHT = tm.LORA_BYTES_PER_WEIGHT
 # The weight format each template's file loads as, for the host time per streamed block (bench/results/host_time.csv):
 # Wan 2.2's fp8 file is fp8 scaled (ComfyUI's QuantizedTensor), Qwen-Image's plain fp8 e4m3fn.
 HOST_FORMAT = {"wan22_t2v_a14b_fp8": "quantized", "wan22_t2v_a14b_gguf": "gguf", "qwen_image": "fp8"}

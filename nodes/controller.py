@@ -21,11 +21,11 @@ from torch import nn
 import comfy.model_management
 import comfy.patcher_extension
 
-from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, available_host_bytes, block_width,
-                       choose_resident_blocks, cuda_graph_refusal, describe, format_bytes, forward_activation_bytes,
-                       largest_fitting, normalize_device, plan_residency, point_param_at, return_freed_host_memory,
-                       weight_nbytes)
-from ..offload import SETTINGS, ModelCosts, block_flops, choose_plan, gpu_for
+from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, available_host_bytes, block_parameters,
+                       block_width, choose_resident_blocks, cuda_graph_refusal, describe, format_bytes,
+                       forward_activation_bytes, largest_fitting, normalize_device, plan_residency, point_param_at,
+                       return_freed_host_memory, weight_nbytes)
+from ..offload import SETTINGS, block_flops, choose_plan, gpu_for, model_costs
 from .advice import activation_words, recommend
 from .device_support import device_support
 from .discovery import DiscoveredBlocks, discover_blocks
@@ -378,8 +378,9 @@ class OffloadController:
         first = settings[0]
         chosen = (first[0], first[1], plans[first].resident_count if self.auto else None)
         if gpu is not None and len(candidates) > 1:
-            costs = ModelCosts(tuple(sizes), tuple(block_flops(b, activations.tokens, x.shape[0])
-                                                   for b in self.discovered.blocks))
+            blocks = self.discovered.blocks
+            costs = model_costs(blocks, sizes, [block_flops(b, activations.tokens, x.shape[0]) for b in blocks],
+                                self._compute_dtype_bytes(x), self._device_lora_weights())
             choice = choose_plan(costs, gpu, candidates)
             chosen = (choice.policy, choice.prefetch, choice.resident_count)
             if chosen != self.last_choice:
@@ -423,6 +424,17 @@ class OffloadController:
                      "" if plan.resident_count - held == 1 else "s")
         self._last_close_plan = plan.resident_count
         return kept
+
+    def _device_lora_weights(self) -> Optional[List[int]]:
+        """Per block, the weights the LoRA patches on the device as each copy lands (None: no LoRA there)."""
+        plan = self._device_plan
+        if not plan or self.manager.after_copy is None:
+            return None
+        counts = []
+        for index, block in enumerate(self.discovered.blocks):
+            params = [param for _, param in block_parameters(block)] if index in plan else []
+            counts.append(sum(params[position].numel() for position, _, _ in plan.get(index, ())))
+        return counts
 
     def _compute_dtype_bytes(self, x: torch.Tensor) -> int:
         """The model computes in its own dtype (the latent arrives in float32 and is cast); fp8 weights

@@ -21,13 +21,15 @@ from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, la
 from .stats import OffloadStats
 from .weights import point_param_at, weight_nbytes, weight_parts
 from .plan_choice import TIMING_GPU_ENV, block_flops, choose_plan, gpu_for
-from .timing_model import SETTINGS, ModelCosts
+from .gpu_costs import ModelCosts, model_costs
+from .timing_model import SETTINGS
 
 __all__ = [
     "gpu_for",
     "choose_plan",
     "block_flops",
     "ModelCosts",
+    "model_costs",
     "TIMING_GPU_ENV",
     "SETTINGS",
     "DISK_DIR_ENV",

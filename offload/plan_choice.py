@@ -16,7 +16,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .timing_model import GPUS, GpuSpec, ModelCosts, Prediction, predict
+from .gpu_costs import GPUS, GpuSpec, ModelCosts
+from .timing_model import Prediction, predict
 
 __all__ = ["TIMING_GPU_ENV", "CLOSE_STEP", "PlanChoice", "block_flops", "gpu_for", "choose_plan"]
 

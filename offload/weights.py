@@ -39,6 +39,8 @@ __all__ = [
     "weight_pointer",
     "is_wrapper_weight",
     "weight_nbytes",
+    "weight_format",
+    "cast_nbytes",
 ]
 
 # Subclasses whose whole state is their storage plus Python attributes, by class name (the defining pack is not
@@ -277,3 +279,46 @@ def weight_nbytes(tensor: torch.Tensor) -> int:
         inner_names, _ = tensor.__tensor_flatten__()
         return sum(weight_nbytes(getattr(tensor, name)) for name in inner_names)
     return tensor.numel() * tensor.element_size()
+
+
+def _logical_numel(tensor: torch.Tensor) -> int:
+    """The elements the weight stands for once dequantized (a GGUF weight carries them as ``tensor_shape``)."""
+    shape = getattr(tensor, "tensor_shape", None)
+    if shape is None:
+        return tensor.numel()
+    count = 1
+    for size in shape:
+        count *= int(size)
+    return count
+
+
+def _is_narrow(tensor: torch.Tensor) -> bool:
+    """Stored in fewer bits than any dtype a DiT computes in: fp8, or a quantized subclass."""
+    return (is_traceable_wrapper_subclass(tensor) or _is_storage_subclass(tensor)
+            or (tensor.dtype.is_floating_point and tensor.element_size() == 1))
+
+
+def weight_format(blocks: Sequence[nn.Module]) -> str:
+    """What the blocks' weights are stored as, in the timing model's words (``gpu_costs``'s host time per streamed
+    block): ``gguf`` (ComfyUI-GGUF's storage subclass), ``quantized`` (a flatten-protocol subclass: ComfyUI's
+    QuantizedTensor), ``fp8`` (plain fp8 tensors) or ``bf16`` (anything else: 16- or 32-bit floats)."""
+    found = set()
+    for block in blocks:
+        for param in block.parameters():
+            if _is_storage_subclass(param):
+                found.add("gguf")
+            elif is_traceable_wrapper_subclass(param):
+                found.add("quantized")
+            elif param.dtype.is_floating_point and param.element_size() == 1:
+                found.add("fp8")
+    for kind in ("gguf", "quantized", "fp8"):  # the costliest to re-point first
+        if kind in found:
+            return kind
+    return "bf16"
+
+
+def cast_nbytes(block: nn.Module, compute_itemsize: int) -> int:
+    """Device-memory bytes one forward of ``block`` moves to cast or dequantise its narrow weights (fp8, quantized)
+    to the compute dtype: each one read as stored and written at ``compute_itemsize`` bytes an element."""
+    return sum(weight_nbytes(param) + _logical_numel(param) * compute_itemsize
+               for param in block.parameters() if _is_narrow(param))
