@@ -322,12 +322,15 @@ class OffloadController:
         self.manager.unload()  # the hooks are installed again by the next load's first forward
 
     def free_device_memory(self, nbytes: int) -> int:
-        """ComfyUI asks for ``nbytes`` back: demote residents from the tail until the plan is that
-        much smaller, and release the device memory now (the smaller plan arms at the next forward)."""
+        """ComfyUI asks for ``nbytes`` back: demote residents until the plan is that much smaller and free their
+        memory now. The residents that stay keep their buffers (the smaller plan arms over them at the next forward,
+        copying nothing again); the slot ring goes only where its geometry changes (manager.replan)."""
         held = self.manager.device_bytes()
         count = largest_fitting(lambda c: held - self._planned_block_bytes(c) >= nbytes, self.manager.resident_count())
         self.resident_cap = count
-        self.manager.release_all()
+        self._use_own_settings()
+        if held - self.manager.device_bytes() < nbytes:  # the manager held another output's plan: what was asked
+            self.manager.release_all()  # for comes back now all the same
         freed = held - self.manager.device_bytes()
         if freed:
             log.info("[layerwise-offload] ComfyUI asked for %s of VRAM: released %s; %d blocks stay resident "

@@ -119,13 +119,18 @@ def test_partially_unload_demotes_residents_and_returns_the_device_memory():
     block = manager.block_nbytes()[0]
     held = manager.device_bytes()
     assert held == 4 * block  # 3 residents + 1 slot (one streamed block needs no second slot)
-    assert model.partially_unload(model.offload_device, block) == held
-    assert manager.device_bytes() == 0
-    # 2 residents would need 2 slots (4 blocks, nothing saved); 1 resident + 2 slots saves one block.
+    copies_of_block_0 = manager.counters.copies_per_block[0]
+    # 2 residents would need 2 slots (4 blocks, nothing saved); 1 resident + 2 slots saves one block. The resident
+    # that stays keeps its buffer; the leaving two and the one-slot ring (the plan needs two slots) are freed now.
+    assert model.partially_unload(model.offload_device, block) == 3 * block
+    assert manager.device_bytes() == block and manager.materialized_blocks() == [0]
     assert controller_of(model).resident_cap == 1
     assert model.model_size() == controller_of(model).non_block_bytes() + 3 * block
-    assert model.loaded_size() == controller_of(model).non_block_bytes()
+    assert model.loaded_size() == controller_of(model).non_block_bytes() + block
     assert torch.equal(tiny_dits.sample(model, seed=3), baseline("wan21"))
+    # ComfyUI's next load allowed the whole plan again: blocks 1 and 2 came back, block 0 was never copied again.
+    assert manager.counters.copies_per_block[0] == copies_of_block_0
+    assert manager.device_bytes() == held
 
 
 def test_comfyui_load_budget_caps_the_residents():
