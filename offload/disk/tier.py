@@ -3,47 +3,40 @@
 A disk block never exists whole in RAM. Its copy to the device reads it chunk by chunk (:data:`CHUNK_BYTES`) into
 a small ring of page-aligned staging chunks (page-locked on a GPU; :data:`STAGING_CHUNKS` of them, whatever the
 block size) and queues each chunk's host-to-device copy into its place in the device buffer as soon as that chunk
-is read; a staging chunk is read into again only once the host has seen the copy that read it finish. So the
-disk tier's RAM is that ring (:func:`staging_ring_bytes`: 32 MiB), not prefetch + 2 whole blocks as before.
+is read (the ring, its readers and their ordering: :mod:`.staging`). So the disk tier's RAM is that ring
+(:func:`staging_ring_bytes`: 32 MiB), not prefetch + 2 whole blocks as before.
 
-:meth:`DiskTier.source` answers a copy with a :class:`DiskSource` (where the RAM tier answers with its host
+This room holds where the blocks are and how they get there: :class:`DiskTier` places them, writes them, owns the
+cache file and the ring, and answers a copy with a :class:`DiskSource` (where the RAM tier answers with its host
 tensor): the copier hands it the device buffer (:meth:`DiskSource.copy_to`), the host waits for each chunk's read
 (the disk's stall) and queues its copy, the first after the compute mark the slot needs, the transform (a LoRA on
-the device) after the last. Reads are issued ahead by a few reader threads as the ring has room: the block's next
-chunks first, then the blocks the model runs next (:meth:`read_ahead`). Since the host stages such a copy (it
-waits for reads, and for chunks whose copy still runs), the manager issues it after the running block is launched,
-as it does a copy from pageable memory (:meth:`DiskTier.pageable`).
+the device) after the last. Since the host stages such a copy (it waits for reads, and for chunks whose copy still
+runs), the manager issues it after the running block is launched, as it does a copy from pageable memory
+(:meth:`DiskTier.pageable`).
 
 A disk block's bytes come from one of two sources: a region of the tier's cache file (written once at packing,
 read back with O_DIRECT: regions and chunks are 4 KiB multiples), or, where every weight of the block is byte for
 byte a tensor of the safetensors checkpoint (:mod:`.checkpoint`) or of another loader's read-only mapping
 (:mod:`.mappings`), the checkpoint itself: a list of extents (file offset, bytes, offset in the block's store
-layout), each chunk reading the parts of them that fall in it, with buffered reads whose pages are then dropped
-from the page cache (checkpoint offsets are not page-aligned, so O_DIRECT cannot read them into place). Nothing is
-written for those; the few entries that are not the file's bytes are copied from RAM into the chunks they fall in.
-
-Ordering, all on the host, per chunk: read into staging k -> the host waits for the read -> the copy from k is
-queued on the copy stream -> the host sees the copy's event complete -> the next read into k.
+layout), each chunk reading the parts of them that fall in it. Nothing is written for those; the few entries that
+are not the file's bytes are copied from RAM into the chunks they fall in.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
-from ..memory.pinning import PinLedger, copy_finished
+from ..memory.pinning import copy_finished
 from .cache_file import ALIGN, CacheFile, aligned_buffer, padded
+from .staging import StagingRing
 
-__all__ = ["CHUNK_BYTES", "DiskSource", "DiskTier", "READ_BYTES", "STAGING_CHUNKS", "staging_ring_bytes"]
+__all__ = ["CHUNK_BYTES", "DiskSource", "DiskTier", "STAGING_CHUNKS", "staging_ring_bytes"]
 
 CHUNK_BYTES = 16 * 2**20  # one staging chunk (a 4 KiB multiple), and the buffer blocks are written through
 STAGING_CHUNKS = 2  # the staging ring: this many chunks of host RAM, whatever the block size
-READ_BYTES = 4 * 2**20  # one reader's request: a chunk is read by several readers at once
 
 
 def staging_ring_bytes(largest_block_bytes: int, chunks: Optional[int] = None) -> int:
@@ -59,26 +52,10 @@ def _chunk_bytes(largest_block_bytes: int) -> int:
     return max(ALIGN, min(CHUNK_BYTES, padded(largest_block_bytes)))
 
 
-def _kept_in(kept: tuple, first: int, length: int) -> bool:
-    """Whether any kept entry (``(layout, [(entry index, tensor)])``) has bytes in ``[first, first + length)``."""
-    layout, entries = kept
-    for position, _ in entries:
-        entry = layout.entries[position]
-        if entry.offset < first + length and first < entry.offset + entry.span_elements * entry.dtype.itemsize:
-            return True
-    return False
-
-
-class _Staging:
-    __slots__ = ("buffer", "block", "piece", "future", "copy", "order")
-
-    def __init__(self, buffer: torch.Tensor):
-        self.buffer = buffer
-        self.block: Optional[int] = None  # whose bytes are (being) read in: the block...
-        self.piece = 0  # ... and which of its chunks
-        self.future: Optional[List[Future]] = None
-        self.copy = None  # the last copy's handle reading this buffer (None: no copy in flight)
-        self.order = 0  # when its read started or its copy was queued: the oldest copy is waited for first
+def _on_ring(name: str) -> property:
+    """The tier's name for its ring's attribute ``name``, read and set there (the ring's readers and waits are
+    the tier's as its users see them)."""
+    return property(lambda tier: getattr(tier.staging, name), lambda tier, value: setattr(tier.staging, name, value))
 
 
 class DiskSource:
@@ -116,9 +93,9 @@ class DiskSource:
 
 
 class DiskTier:
-    """The disk blocks' cache file, staging ring and readers. ``ring_size`` staging chunks (of
-    :data:`CHUNK_BYTES`, or of the largest disk block where smaller); ``readers`` threads; ``pinner`` page-locks the
-    ring (None: pageable)."""
+    """The disk blocks' placement and cache file, and the staging ring they are read through (:class:`StagingRing`:
+    ``ring_size`` chunks of :data:`CHUNK_BYTES`, or of the largest disk block where smaller; ``readers`` threads;
+    ``pinner`` page-locks the ring, None: pageable)."""
 
     def __init__(self, folder: str, ring_size: int = STAGING_CHUNKS, readers: int = 4, pinner=None,
                  expected_bytes: int = 0):
@@ -129,23 +106,28 @@ class DiskTier:
         self.extents: Dict[int, List[tuple]] = {}  # checkpoint blocks -> [(path, file offset, nbytes, offset)]
         self._fds: Dict[str, int] = {}  # checkpoint path -> O_RDONLY descriptor
         self.kept: Dict[int, tuple] = {}  # checkpoint blocks -> (layout, [(entry index, RAM tensor)])
-        self.ring_size = max(1, int(ring_size))
-        self.ring: List[_Staging] = []  # allocated at the first read (packing, before it, frees RAM first)
-        self.ring_bytes_each = 0  # one staging chunk: the size of every block's chunks while the ring lives
         self._largest = 0  # the largest disk block, padded
-        self._order = 0
         self._chunk: Optional[torch.Tensor] = None  # the buffer blocks are written through
-        self.ledger = PinLedger(pinner)
-        self.pin = pinner is not None
-        self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="layerwise-offload-disk")
-        self._lock = threading.Lock()
-        self._in_flight = 0
-        self._busy_since = 0.0
-        self.bytes_read = 0
-        self.reads = 0
-        self.read_seconds = 0.0  # wall time with at least one read in flight
-        self.stall_seconds = 0.0  # time the host waited for a read it needed now
-        self.demand_reads = 0  # reads not issued ahead (started when the copy needed them)
+        # The allocator and the copy test are looked up in this module at each call, where tests patch them. The
+        # ring is handed the tier's maps, never the tier: no cycle keeps a dropped tier's cache file alive until
+        # the collector runs.
+        self.staging = StagingRing(self.regions, self.extents, self.kept, self._fds, ring_size, readers, pinner,
+                                   allocate=lambda nbytes: aligned_buffer(nbytes),
+                                   finished=lambda handle, wait: copy_finished(handle, wait=wait))
+
+    ring = _on_ring("chunks")  # the staging chunks: empty until the first read
+    ring_bytes = _on_ring("nbytes")
+    pinned = _on_ring("pinned")
+    bytes_read = _on_ring("bytes_read")
+    reads = _on_ring("reads")
+    read_seconds = _on_ring("read_seconds")
+    stall_seconds = _on_ring("stall_seconds")
+    demand_reads = _on_ring("demand_reads")
+    settle_reads = _on_ring("settle_reads")
+    quiesce = _on_ring("quiesce")
+    _start = _on_ring("_start")  # set on the ring, a hook set here wraps the reads the ring starts itself
+    _settle = _on_ring("_settle")
+    _fill_kept = staticmethod(StagingRing._fill_kept)  # where tests reach it
 
     # ----------------------------------------------------------------- blocks
     def holds(self, index: int) -> bool:
@@ -161,7 +143,7 @@ class DiskTier:
     @property
     def file(self) -> CacheFile:
         if self._file is None:
-            self._file = CacheFile(self.folder, self.expected_bytes)
+            self._file = self.staging.file = CacheFile(self.folder, self.expected_bytes)
         return self._file
 
     def checkpoint_bytes(self) -> int:
@@ -228,242 +210,38 @@ class DiskTier:
 
     def forget(self, index: int) -> None:
         """Block ``index`` is not on disk any more (repacked, or moved to RAM): drop its region and staged bytes."""
-        for staging in self.ring:
-            if staging.block == index:
-                self._settle(staging)
-                staging.block = None
+        self.staging.drop(index)
         self.regions.pop(index, None)
         self.extents.pop(index, None)
         self.kept.pop(index, None)
 
-    # ----------------------------------------------------------------- the ring
-    def _ensure_ring(self) -> None:
-        """The staging ring, allocated at the first read (packing, before it, frees RAM first); again, after every
-        read and copy from it is done, where a larger disk block than its chunk (a small one's) was written."""
-        need = _chunk_bytes(self._largest)
-        self._chunk = None  # packing is over: the write buffer goes before the ring is used
-        if self.ring and self.ring_bytes_each >= need:
-            return
-        self.quiesce()
-        self.ledger.unpin_all()
-        self.ring = [_Staging(aligned_buffer(need)) for _ in range(self.ring_size)]
-        self.ring_bytes_each = need
-        if self.pin:
-            for staging in self.ring:
-                self.ledger.pin(staging.buffer)
-
-    @property
-    def ring_bytes(self) -> int:
-        return self.ring_bytes_each * len(self.ring)
-
-    @property
-    def pinned(self) -> bool:
-        return bool(self.ring) and all(self.ledger.is_pinned(s.buffer) for s in self.ring)
-
-    def _next_order(self) -> int:
-        self._order += 1
-        return self._order
-
-    def _pieces(self, index: int) -> List[Tuple[int, int]]:
-        """Block ``index``'s chunks: (first byte, bytes), one staging chunk each."""
-        nbytes, size = self.regions[index][1], self.ring_bytes_each
-        return [(start, min(size, nbytes - start)) for start in range(0, nbytes, size)] or [(0, 0)]
-
-    def _staged(self, index: int, piece: int) -> Optional[_Staging]:
-        return next((s for s in self.ring if s.block == index and s.piece == piece), None)
-
-    def _take(self, wait: bool, index: Optional[int] = None, piece: int = 0,
-              protect: Sequence[int] = ()) -> Optional[_Staging]:
-        """A staging chunk free for a new read: no read in it, its last copy done. With ``wait`` (chunk ``piece`` of
-        block ``index`` is needed now) wait for the oldest copy, or else drop a read ahead: of a block not in
-        ``protect`` before one in it, the latest started first, a later chunk of ``index`` last."""
-        self._ensure_ring()
-        free = sorted((s for s in self.ring if s.block is None), key=lambda s: s.order)
-        for staging in free:
-            if copy_finished(staging.copy, wait=False):
-                staging.copy = None
-                return staging
-        if not wait:
-            return None
-        if free:
-            staging = free[0]
-        else:
-            dropped = [s for s in self.ring if s.block != index or s.piece > piece]
-            if not dropped:
-                raise RuntimeError(f"[layerwise-offload] no disk staging chunk for block {index}")  # unreachable
-            staging = min(dropped, key=lambda s: (s.block == index, s.block in protect, -s.order))
-            self._settle(staging)
-            staging.block = None
-        copy_finished(staging.copy, wait=True)
-        staging.copy = None
-        return staging
-
-    def _settle(self, staging: _Staging) -> None:
-        """Wait for the read into ``staging``. A failed read (an I/O error, a file changed outside) is raised once:
-        every part is waited for first (none still writes into the buffer), and the buffer is emptied, so the next
-        wait (an unload's, say) does not raise it again and the ring stays usable."""
-        if staging.future is None:
-            return
-        parts, staging.future = staging.future, None
-        error = None
-        for part in parts:
-            try:
-                part.result()
-            except BaseException as failure:  # noqa: BLE001 - re-raised below, after the other parts
-                error = error or failure
-        if error is not None:
-            staging.block = None  # its bytes are not the block's
-            raise error
-
-    # ----------------------------------------------------------------- reads
-    def _start(self, index: int, piece: int, staging: _Staging) -> None:
-        """Start reading chunk ``piece`` of block ``index`` into ``staging`` (free), in requests of
-        :data:`READ_BYTES` spread over the readers."""
-        offset, nbytes = self.regions[index]
-        size = self.ring_bytes_each
-        first = piece * size
-        length = max(0, min(size, nbytes - first))
-        step = max(ALIGN, min(READ_BYTES, size) // ALIGN * ALIGN)
-        view = memoryview(staging.buffer.numpy()).cast("B")
-        if offset is None:
-            jobs = []
-            for path, where, count, at in self.extents[index]:
-                low, high = max(at, first), min(at + count, first + length)
-                jobs += [(self._read_checkpoint, view[begin - first:min(begin + step, high) - first], self._fds[path],
-                          where + begin - at) for begin in range(low, high, step)]
-            kept = self.kept.get(index)
-            if kept is not None and _kept_in(kept, first, length):
-                jobs.append((self._fill_kept, staging.buffer, (first, length, kept), None))
-        else:
-            span = padded(length)  # the region is page-padded in the file: O_DIRECT reads whole pages into place
-            jobs = [(self.file.read_into, view[start:min(start + step, span)], None, offset + first + start)
-                    for start in range(0, span, step)]
-        staging.block, staging.piece, staging.order = index, piece, self._next_order()
-        with self._lock:
-            if self._in_flight == 0:
-                self._busy_since = time.perf_counter()
-            self._in_flight += 1
-        remaining = [len(jobs)]
-        staging.future = [self._pool.submit(self._read, job, remaining) for job in jobs]
-        if not jobs:
-            self._read_done(remaining)
-        self.reads += 1
-        self.bytes_read += length
-
-    def _read(self, job: tuple, remaining: list) -> None:
-        read, view, fd, offset = job
-        try:
-            if offset is None:
-                read(view, fd)
-            elif fd is None:
-                read(view, offset)
-            else:
-                read(view, fd, offset)
-        finally:
-            self._read_done(remaining)
-
-    def _read_done(self, remaining: list) -> None:
-        with self._lock:
-            remaining[0] -= 1
-            if remaining[0] <= 0:
-                self._in_flight -= 1
-                if self._in_flight == 0:
-                    self.read_seconds += time.perf_counter() - self._busy_since
-
-    @staticmethod
-    def _fill_kept(buffer: torch.Tensor, chunk: tuple) -> None:
-        """Copy the kept entries' bytes (RAM tensors, not the file's) that fall in the chunk ``(first byte, bytes,
-        kept)`` of their block into ``buffer``, where that chunk is staged."""
-        first, length, (layout, entries) = chunk
-        with torch.no_grad():
-            for position, tensor in entries:
-                entry = layout.entries[position]
-                nbytes = entry.span_elements * entry.dtype.itemsize
-                low, high = max(entry.offset, first), min(entry.offset + nbytes, first + length)
-                if low >= high:
-                    continue
-                if low == entry.offset and high == entry.offset + nbytes:  # the whole entry: in place, as stored
-                    typed = buffer.narrow(0, low - first, nbytes).view(entry.dtype)
-                    typed.as_strided(entry.shape, entry.stride).copy_(tensor)
-                    continue
-                spread = torch.zeros(nbytes, dtype=torch.uint8)  # across chunks: its span laid out, then a part
-                spread.view(entry.dtype).as_strided(entry.shape, entry.stride).copy_(tensor)
-                buffer.narrow(0, low - first, high - low).copy_(spread.narrow(0, low - entry.offset, high - low))
-
-    @staticmethod
-    def _read_checkpoint(view: memoryview, fd: int, offset: int) -> None:
-        """Read one extent of the checkpoint into place, then drop its pages from the page cache (whole pages
-        around it: a neighbour's page is read again at worst, never kept)."""
-        done = 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise OSError(f"[layerwise-offload] the checkpoint ended at byte {offset + done} while reading a "
-                              f"block from it (was it replaced while ComfyUI runs?)")
-            done += got
-        first = offset // ALIGN * ALIGN
-        os.posix_fadvise(fd, first, padded(offset + len(view)) - first, os.POSIX_FADV_DONTNEED)
-
-    def _fill(self, index: int, piece: int, protect: Sequence[int]) -> None:
-        """Start reads while the ring has free chunks: block ``index``'s chunks from ``piece`` on first, then (all
-        of them started) the blocks of ``protect``, in order."""
-        for later in range(piece, len(self._pieces(index))):
-            if self._staged(index, later) is None:
-                staging = self._take(wait=False)
-                if staging is None:
-                    return
-                self._start(index, later, staging)
-        self.read_ahead(protect)
+    def _reading(self) -> None:
+        """Before the ring reads: the file is complete, the write buffer goes (packing is over, and it goes before
+        the ring is allocated), and the ring's chunks are sized for the largest disk block."""
+        self.finish()
+        self._chunk = None
+        self.staging.chunk_bytes = _chunk_bytes(self._largest)
 
     def read_ahead(self, indices: Sequence[int]) -> None:
         """Start reads for the disk blocks in ``indices`` (in the order they will be copied), chunk by chunk, while
         the ring has free chunks."""
         if not self.regions:
             return
-        self.finish()
-        self._ensure_ring()
-        for index in indices:
-            if index not in self.regions:
-                continue
-            for piece in range(len(self._pieces(index))):
-                if self._staged(index, piece) is not None:
-                    continue
-                staging = self._take(wait=False)
-                if staging is None:
-                    return
-                self._start(index, piece, staging)
+        self._reading()
+        self.staging.read_ahead(indices)
 
     def source(self, index: int, protect: Sequence[int] = ()) -> DiskSource:
         """Block ``index``'s bytes as its copy reads them (:class:`DiskSource`), its first chunks' reads started
         where the ring has room (before any read ahead of ``protect``, the blocks copied after it)."""
-        self.finish()
-        self._ensure_ring()
-        if self._staged(index, 0) is None:
-            self.demand_reads += 1
-        self._fill(index, 0, ())
+        self._reading()
+        self.staging.begin(index)
         return DiskSource(self, index, protect)
 
     def _copy(self, index: int, protect: Sequence[int], put) -> object:
-        """Block ``index`` through the ring, chunk by chunk in order: each read (started here if not yet) waited for,
-        then ``put(first byte, bytes, staged bytes, is first, is last)`` queues its copy and returns its handle,
-        which the chunk keeps: it is read into again only after that copy. Returns the last chunk's handle."""
-        self.finish()
-        self._ensure_ring()
-        pieces = self._pieces(index)
-        handle = None
-        for piece, (start, length) in enumerate(pieces):
-            staging = self._staged(index, piece)
-            if staging is None:
-                staging = self._take(wait=True, index=index, piece=piece, protect=protect)
-                self._start(index, piece, staging)
-            self._fill(index, piece + 1, protect)  # the readers stay busy while the host waits for this one
-            started = time.perf_counter()
-            self._settle(staging)
-            self.stall_seconds += time.perf_counter() - started
-            handle = put(start, length, staging.buffer.narrow(0, 0, length), piece == 0, piece == len(pieces) - 1)
-            staging.block, staging.copy, staging.order = None, handle, self._next_order()
-        self.read_ahead(protect)
-        return handle
+        """Block ``index`` through the ring (:meth:`StagingRing.copy`): ``put(first byte, bytes, staged bytes, is
+        first, is last)`` queues each chunk's copy as its read is done. Returns the last chunk's handle."""
+        self._reading()
+        return self.staging.copy(index, protect, put)
 
     def pageable(self, index: int) -> bool:
         """Always: the host stages a disk block's copy (it waits for each chunk's read, and for chunks a copy still
@@ -474,29 +252,14 @@ class DiskTier:
         """The copy of block ``index`` is queued: each of its chunks kept its own copy's handle as it was queued
         (:meth:`DiskSource.copy_to`), so nothing is left to do."""
 
-    def settle_reads(self) -> None:
-        """Wait for the reads in flight; what they staged stays usable."""
-        for staging in self.ring:
-            self._settle(staging)
-
-    def quiesce(self) -> None:
-        """Wait for every read and every copy from the ring (before the ring is replaced or freed)."""
-        for staging in self.ring:
-            self._settle(staging)
-            copy_finished(staging.copy, wait=True)
-            staging.copy = None
-
     def close(self) -> None:
         """Finish the reads, free the ring, delete the file."""
-        self.quiesce()
-        self._pool.shutdown(wait=True)
-        self.ledger.unpin_all()
-        self.ring = []
-        self.regions = {}
-        self.extents = {}
-        self.kept = {}
+        self.staging.close()
+        self.regions.clear()  # emptied, not replaced: the ring reads these same maps
+        self.extents.clear()
+        self.kept.clear()
         for fd in self._fds.values():
             os.close(fd)
-        self._fds = {}
+        self._fds.clear()
         if self._file is not None:
             self._file.close()
