@@ -5,7 +5,7 @@ the same prompt, bitwise equal to ComfyUI alone, three times over.
 For each loader (ComfyUI's UNETLoader, Load Diffusion Model (Layerwise), ComfyUI-GGUF's UnetLoaderGGUF), on
 whichever ComfyUI runs the suite, ComfyUI alone is the loader straight into the sampler, without the node. It runs
 once with no limit (its cgroup peak), then under limits bisected between what the warm server holds and that peak,
-to 32 MiB. At the smallest limit it completed under, plus that resolution, plus the two streaming slots of prefetch 1 (the CPU loopback's
+to 32 MiB (first tried: what the server holds plus the model's file, the floor of a loader that copies the weights). At the smallest limit it completed under, plus that resolution, plus the two streaming slots of prefetch 1 (the CPU loopback's
 "VRAM": a GPU holds them in VRAM), the node runs at its defaults (resident_layers auto, prefetch 1, residency_policy
 auto: leading on the CPU loopback, pin_memory on, host_store auto) three times: each completes, bitwise ComfyUI alone's latent, without the "host
 memory is short" refusal, auto keeping no resident block (a resident would be more loopback "VRAM" than the two
@@ -318,6 +318,19 @@ def comfyui_alone_limit(servers: Servers, loader: str):
     free = attempt(servers, loader, None, f"limit/{loader}/alone_free")
     assert free.completed, free.why + "\n" + free.log[-3000:]
     low, high = free.before, -(-free.peak // RESOLUTION) * RESOLUTION
+    # A loader that copies the weights into RAM (UNETLoader) cannot complete below what the server holds plus the
+    # file, and each failed run costs an OOM kill and a fresh server (about 50 s; a completed run about 10): tried
+    # first, that floor leaves the bisection mostly completed runs. A loader that maps the file completes there,
+    # and the bisection goes on below it.
+    file_bytes = (servers.base / "models" / "diffusion_models" / model_of(loader)).stat().st_size
+    floor = (free.before + file_bytes - RESOLUTION) // 4096 * 4096
+    if low + RESOLUTION < floor < high - RESOLUTION:
+        tried = attempt(servers, loader, floor, f"limit/{loader}/alone")
+        if tried.completed:
+            assert torch.equal(tried.latent, free.latent), f"{loader} alone under {floor} B: another latent"
+            high = floor
+        else:
+            low = floor
     while high - low > RESOLUTION:
         middle = (low + high) // 2 // 4096 * 4096
         tried = attempt(servers, loader, middle, f"limit/{loader}/alone")
