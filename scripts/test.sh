@@ -40,19 +40,24 @@ done
 
 # The versions run side by side (each pytest is mostly one busy core; on 2 cores this halves the wall time), each
 # with its own pytest temp folder, their lines prefixed with the version. PARALLEL=0 runs them one after another.
-# The newest frontend (PyPI comfyui-frontend-package, served with --front-end-root) over ComfyUI 0.33.0 follows the
-# 0.33.0 run when the whole suite (no path given) ran on it: the Stats node's browser tests (what a person sees of
-# the pack: the picture at the opening zoom, the hints), the tiny demo run from the page, and a template's missing
-# model offered for download. FRONTEND_158=0 leaves it out. test_browser.py's other checks run with each ComfyUI's
+# The newest frontend (PyPI comfyui-frontend-package, served with --front-end-root) over ComfyUI 0.33.0 runs when
+# the whole suite (no path given) runs on 0.33.0: after the 0.3.75 half where both run (the shorter one: 26 against
+# 27.5 min of pytest in a full run on 2 cores), else after the 0.33.0 run. It holds the Stats node's browser tests
+# (what a person sees of the pack: the picture at the opening zoom, the hints), the tiny demo run from the page, and
+# a template's missing model offered for download. FRONTEND_158=0 leaves it out. test_browser.py's other checks run with each ComfyUI's
 # own frontend (1.32 for 0.3.75, 1.49 for 0.33.0).
 results="$(mktemp -d)"
 trap 'rm -rf "$results"' EXIT
 # tests/unit never imports ComfyUI and both venvs hold the same torch: when the whole suite runs on both versions,
-# it runs once, in the 0.3.75 half: the 0.33.0 half, with its dynamic-VRAM tests and the frontend pass after it,
-# is the longer (36 min of pytest against 29 in the last full run).
+# it runs once, in the 0.3.75 half (the 0.33.0 half has the dynamic-VRAM tests).
 once=()
 if [[ $has_path == 0 && " ${versions[*]} " == *" 0.3.75 "* && " ${versions[*]} " == *" 0.33.0 "* ]]; then
     once=(--ignore=tests/unit)
+fi
+frontend_after=""
+if [[ $has_path == 0 && "${FRONTEND_158:-1}" != 0 && " ${versions[*]} " == *" 0.33.0 "* ]]; then
+    frontend_after=0.33.0
+    [[ " ${versions[*]} " == *" 0.3.75 "* ]] && frontend_after=0.3.75
 fi
 run_version() {  # version: writes "<label>|<exit status>" lines into $results/<version>
     local v="$1" status=0 skip=()
@@ -61,7 +66,7 @@ run_version() {  # version: writes "<label>|<exit status>" lines into $results/<
     echo "[layerwise-offload] ===== tests on ComfyUI $v (${venv_of[$v]}, ${comfy_of[$v]}) ====="
     run_pytest "$ROOT/${venv_of[$v]}" "$ROOT/${comfy_of[$v]}" "${args[@]}" "${skip[@]}" --basetemp="$results/tmp-$v" || status=$?
     echo "ComfyUI $v|$status" >> "$results/$v"
-    if [[ $v == 0.33.0 && $has_path == 0 && "${FRONTEND_158:-1}" != 0 ]]; then
+    if [[ $v == "$frontend_after" ]]; then
         echo "[layerwise-offload] ===== browser tests on ComfyUI 0.33.0 with frontend 1.58.1 ====="
         status=0
         local static

@@ -322,10 +322,13 @@ def comfyui_alone_limit(servers: Servers, loader: str):
     # file, and each failed run costs an OOM kill and a fresh server (about 50 s; a completed run about 10): tried
     # first, that floor leaves the bisection mostly completed runs. A loader that maps the file completes there,
     # and the bisection goes on below it.
+    # Near its limit a run may neither complete nor be killed (page faults on the mapped file spin): alone counts
+    # as not completing there after ten times its unlimited run's time, not the whole RUN_TIMEOUT.
+    patience = min(RUN_TIMEOUT, max(45.0, 10 * free.seconds))
     file_bytes = (servers.base / "models" / "diffusion_models" / model_of(loader)).stat().st_size
     floor = (free.before + file_bytes - RESOLUTION) // 4096 * 4096
     if low + RESOLUTION < floor < high - RESOLUTION:
-        tried = attempt(servers, loader, floor, f"limit/{loader}/alone")
+        tried = attempt(servers, loader, floor, f"limit/{loader}/alone", timeout=patience)
         if tried.completed:
             assert torch.equal(tried.latent, free.latent), f"{loader} alone under {floor} B: another latent"
             high = floor
@@ -333,7 +336,7 @@ def comfyui_alone_limit(servers: Servers, loader: str):
             low = floor
     while high - low > RESOLUTION:
         middle = (low + high) // 2 // 4096 * 4096
-        tried = attempt(servers, loader, middle, f"limit/{loader}/alone")
+        tried = attempt(servers, loader, middle, f"limit/{loader}/alone", timeout=patience)
         if tried.completed:
             assert torch.equal(tried.latent, free.latent), f"{loader} alone under {middle} B: another latent"
             high = middle
