@@ -1,0 +1,133 @@
+"""G5 (issue 28): bytes each step moves to the device at equal VRAM for weights, this pack against ComfyUI 0.3.75's own
+partial loading, for every template's model, computed on the meta device (nothing is allocated or copied).
+
+ComfyUI's figure is its own code's: the template's DiT is built on the meta device by ComfyUI's model class, wrapped
+in ComfyUI's ``ModelPatcher`` and loaded with ``load(lowvram_model_memory=B)`` as its partial loading does, with
+``NUM_STREAMS`` = 2 (its default on NVIDIA: each cast module's weights are budgeted three times over, for the
+async offload streams); what it leaves unloaded is cast to the device every forward. This pack's figure is the
+plan the node arms under the same B: the non-block weights first (the node places them before any block), then
+the most resident blocks whose footprint (residents + prefetch + 1 slots of the largest streamed block) fits what
+is left, at the smallest ring (prefetch 1), the better of leading and strided; every streamed block moves every
+forward. One forward per step (cond and uncond batched). fp8 and GGUF templates scale every module by their bytes
+per weight (uniform: the ratios are the bf16 ones).
+
+    COMFYUI_PATH=$PWD/.comfyui/ComfyUI .venv/bin/python -P bench/g5_bytes.py --out bench/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+if not __package__:  # run by path: register the pack so the relative imports below work
+    import runpy
+    runpy.run_path(str(Path(__file__).parents[1] / "devtools" / "comfy_env.py"))["enter_pack"](globals())
+
+from ..devtools import comfy_env, dit_presets, template_memory  # noqa: E402
+
+FRACTIONS = (0.3, 0.5, 0.7, 0.9)
+FIELDS = ("template", "budget_fraction", "budget_bytes", "weights_bytes", "comfy_lowvram_bytes_per_step",
+          "ours_bytes_per_step", "ours_resident", "ours_policy", "ours_over_comfy")
+
+
+def meta_patcher(template):
+    import comfy.model_patcher
+    import comfy.supported_models
+    import torch
+
+    cfg_cls = getattr(comfy.supported_models, template.comfy_config)
+    unet_config = comfy_env.with_fields_this_comfyui_needs({**cfg_cls.unet_config, **template.unet_config})
+    model_config = cfg_cls(unet_config)
+    model_config.set_inference_dtype(torch.bfloat16, None)
+    meta = torch.device("meta")
+    with meta:
+        model = model_config.get_model({}, "")
+    return comfy.model_patcher.ModelPatcher(model, load_device=meta, offload_device=meta)
+
+
+def comfyui_streamed_bytes(template, budget_bf16: int) -> int:
+    """Bytes ComfyUI's partial load under ``budget_bf16`` leaves to be cast every forward (bf16 figures)."""
+    import comfy.model_management
+    import torch
+
+    patcher = meta_patcher(template)
+    total = sum(module_mem for module_mem, *_ in patcher._load_list())
+    streams = comfy.model_management.NUM_STREAMS
+    comfy.model_management.NUM_STREAMS = 2
+    try:
+        patcher.load(torch.device("meta"), lowvram_model_memory=budget_bf16)
+    finally:
+        comfy.model_management.NUM_STREAMS = streams
+    return total - patcher.model.model_loaded_weight_memory
+
+
+def our_plan(template, budget_bf16: int):
+    """(streamed bytes, resident count, policy) of the node's plan under ``budget_bf16``; None where none fits."""
+    from ..nodes import discovery
+    from ..offload import Schedule, choose_resident_blocks, largest_fitting
+
+    patcher = meta_patcher(template)
+    dit = patcher.model.diffusion_model
+    found = discovery.discover_blocks(dit)
+    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in found.blocks]
+    non_block = sum(p.numel() * p.element_size() for p in dit.parameters()) - sum(sizes)
+    room = budget_bf16 - non_block
+    best = None
+    for policy in ("leading", "strided"):
+        def fits(count, policy=policy):
+            return Schedule(choose_resident_blocks(len(sizes), count, policy)).device_bytes(sizes, 1) <= room
+        if not fits(0):
+            continue
+        count = largest_fitting(fits, len(sizes))
+        resident = Schedule(choose_resident_blocks(len(sizes), count, policy))
+        streamed = sum(sizes[i] for i in resident.streamed_blocks)
+        if best is None or streamed < best[0]:
+            best = (streamed, count, policy)
+    return best
+
+
+def rows():
+    comfy_env.import_comfyui(cpu=True, import_nodes=False)
+    out = []
+    for template in template_memory._templates(dit_presets):
+        patcher = meta_patcher(template)
+        weights_bf16 = sum(module_mem for module_mem, *_ in patcher._load_list())
+        scale = template.stored_bytes / 2
+        for fraction in FRACTIONS:
+            budget = int(weights_bf16 * fraction)
+            comfy = comfyui_streamed_bytes(template, budget)
+            ours = our_plan(template, budget)
+            out.append(dict(
+                template=template.key, budget_fraction=fraction, budget_bytes=int(budget * scale),
+                weights_bytes=int(weights_bf16 * scale), comfy_lowvram_bytes_per_step=int(comfy * scale),
+                ours_bytes_per_step="" if ours is None else int(ours[0] * scale),
+                ours_resident="" if ours is None else ours[1], ours_policy="" if ours is None else ours[2],
+                ours_over_comfy="" if ours is None or comfy == 0 else round(ours[0] / comfy, 3)))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="write g5_bytes_per_step.csv into this folder")
+    args = ap.parse_args(argv)
+    table = rows()
+    gib = 2 ** 30
+    print(f"{'template':22} {'B':>5} {'ComfyUI lowvram':>16} {'ours':>9} {'ratio':>6}  plan")
+    for r in table:
+        ours = "no fit" if r["ours_bytes_per_step"] == "" else f"{r['ours_bytes_per_step'] / gib:.2f} GiB"
+        print(f"{r['template']:22} {r['budget_fraction']:>5} {r['comfy_lowvram_bytes_per_step'] / gib:>12.2f} GiB "
+              f"{ours:>9} {str(r['ours_over_comfy']):>6}  {r['ours_resident']} resident, {r['ours_policy']}")
+    if args.out:
+        path = Path(args.out) / "g5_bytes_per_step.csv"
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
+            writer.writeheader()
+            writer.writerows(table)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
