@@ -88,14 +88,16 @@ def our_plan(template, budget_bf16: int):
     return best
 
 
-def rows():
+def rows(keys=None, fractions=FRACTIONS):
     comfy_env.import_comfyui(cpu=True, import_nodes=False)
     out = []
     for template in template_memory._templates(dit_presets):
+        if keys and template.key not in keys:
+            continue
         patcher = meta_patcher(template)
         weights_bf16 = sum(module_mem for module_mem, *_ in patcher._load_list())
         scale = template.stored_bytes / 2
-        for fraction in FRACTIONS:
+        for fraction in fractions:
             budget = int(weights_bf16 * fraction)
             comfy = comfyui_streamed_bytes(template, budget)
             ours = our_plan(template, budget)
