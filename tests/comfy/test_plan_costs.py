@@ -7,21 +7,11 @@ import torch
 import comfy.model_management as mm
 import comfy.sd
 
+from layerwise_offload.bench.measure import block_lora
 from layerwise_offload.devtools import quantized_models, tiny_dits
 from layerwise_offload.nodes import controller as controller_module
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.offload import TIMING_GPU_ENV, block_parameters, gpu_costs, weight_nbytes
-
-
-def random_block_lora(patcher, rank=2):
-    generator = torch.Generator().manual_seed(3)
-    lora = {}
-    for key, tensor in patcher.model.state_dict().items():
-        if ".blocks." in key and key.endswith(".weight") and tensor.ndim == 2:
-            stem = key[: -len(".weight")]
-            lora[f"{stem}.lora_up.weight"] = 0.05 * torch.randn(tensor.shape[0], rank, generator=generator)
-            lora[f"{stem}.lora_down.weight"] = 0.05 * torch.randn(rank, tensor.shape[1], generator=generator)
-    return lora
 
 
 @pytest.fixture
@@ -41,7 +31,7 @@ def costs_seen(monkeypatch):
 
 
 def test_a_lora_on_the_device_is_costed_per_block(costs_seen):
-    lora = random_block_lora(tiny_dits.build_wan21())
+    lora = block_lora(tiny_dits.build_wan21(), rank=2)
     want = tiny_dits.sample(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0])
     mm.unload_all_models()
     patcher = offload_model(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0], 1, 1)

@@ -327,21 +327,20 @@ def comfyui_alone_limit(servers: Servers, loader: str):
     patience = min(RUN_TIMEOUT, max(45.0, 10 * free.seconds))
     file_bytes = (servers.base / "models" / "diffusion_models" / model_of(loader)).stat().st_size
     floor = (free.before + file_bytes - RESOLUTION) // 4096 * 4096
-    if low + RESOLUTION < floor < high - RESOLUTION:
-        tried = attempt(servers, loader, floor, f"limit/{loader}/alone", timeout=patience)
+
+    def completes(limit: int) -> bool:
+        tried = attempt(servers, loader, limit, f"limit/{loader}/alone", timeout=patience)
         if tried.completed:
-            assert torch.equal(tried.latent, free.latent), f"{loader} alone under {floor} B: another latent"
-            high = floor
+            assert torch.equal(tried.latent, free.latent), f"{loader} alone under {limit} B: another latent"
+        return tried.completed
+
+    tries = [floor] if low + RESOLUTION < floor < high - RESOLUTION else []
+    while tries or high - low > RESOLUTION:
+        limit = tries.pop() if tries else (low + high) // 2 // 4096 * 4096
+        if completes(limit):
+            high = limit
         else:
-            low = floor
-    while high - low > RESOLUTION:
-        middle = (low + high) // 2 // 4096 * 4096
-        tried = attempt(servers, loader, middle, f"limit/{loader}/alone", timeout=patience)
-        if tried.completed:
-            assert torch.equal(tried.latent, free.latent), f"{loader} alone under {middle} B: another latent"
-            high = middle
-        else:
-            low = middle
+            low = limit
     servers.limits[loader] = high, free
     return high, free
 
