@@ -7,7 +7,8 @@ growth (the new buffer exists before the old copy is freed). A block whose host 
 chunks straight from its weights (no block-sized buffer) and then frees ComfyUI's copy, so the blocks bound for
 disk are packed first: the RAM they free is there before any RAM block needs its one block of headroom. The
 disk tier's staging ring (a few chunks, whatever the block size: ``disk/tier.py`` ``staging_ring_bytes``) is
-allocated at the first read, after packing, when that RAM is free again.
+allocated at the first read, after packing, when that RAM is free again; where RAM leaves no choice but the disk,
+its chunks are the small ones (8 MiB of ring instead of 32).
 
 The auto tier (``host_store="auto"``) never asks for more RAM than ComfyUI's own copy of the model holds: where
 packing every block into RAM adds nothing (ComfyUI's copies are freed as they are packed) and its one-block peak
@@ -101,6 +102,8 @@ class TierPlan:
     disk: per block, whether its host copy lives on disk. peak_bytes: the most packing adds at any moment
     (ring included); growth_bytes: what it adds once done (negative: it frees more than it takes).
     available_bytes: the host memory available when planned (None: unknown). reason: why blocks are on disk.
+    tight_ring: RAM leaves no choice but the disk, so the staging ring is of its small chunks (``ring_bytes``
+    counts them; ``disk/tier.py`` :data:`TIGHT_CHUNK_BYTES`).
     """
 
     disk: Tuple[bool, ...]
@@ -111,6 +114,7 @@ class TierPlan:
     margin_bytes: int
     reason: str = ""
     read_rate: Optional[float] = None  # bytes per second of the disk blocks' file system, where it was asked for
+    tight_ring: bool = False
 
     @property
     def disk_blocks(self) -> int:
@@ -144,7 +148,8 @@ def _costs(sizes: Sequence[int], freed: Sequence[int], disk: Sequence[bool], rin
 
 
 def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, available: Optional[int],
-                    ring_bytes: Optional[Callable[[Tuple[bool, ...]], int]] = None, margin: int = RAM_MARGIN_BYTES,
+                    ring_bytes: Optional[Callable[[Tuple[bool, ...], bool], int]] = None,
+                    margin: int = RAM_MARGIN_BYTES,
                     waiting: Optional[Sequence[bool]] = None, already_disk: Sequence[bool] = (),
                     chunk_bytes: int = 0, slack: int = PACKING_SLACK_BYTES,
                     padding_bytes: Sequence[int] = (),
@@ -153,7 +158,9 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     """Choose each block's tier for ``mode`` (auto | ram | disk) and the cost of packing.
 
     ``sizes``: packed bytes per block; ``freed``: bytes of ComfyUI's copy each block's packing frees;
-    ``ring_bytes(disk)``: the staging ring's bytes for a tier choice; ``waiting``: blocks not packed yet (the
+    ``ring_bytes(disk, tight)``: the staging ring's bytes for a tier choice, of its usual or its small chunks
+    (``tight``: where RAM leaves no choice but the disk, and for host_store = disk where the usual ring would not
+    fit); ``waiting``: blocks not packed yet (the
     others cost nothing more and keep their tier, ``already_disk``); ``chunk_bytes``: the buffer a disk block is
     written through (0: the whole block); ``padding_bytes``: per block, the alignment padding among its bytes.
     ``read_rate()``: (bytes per second, how it was found, in words) of the file system the disk blocks are read
@@ -165,7 +172,7 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     n = len(sizes)
     waiting = tuple(waiting) if waiting is not None else (True,) * n
     fixed = tuple(already_disk) + (False,) * (n - len(already_disk))
-    ring = ring_bytes or (lambda disk: 0)
+    ring = ring_bytes or (lambda disk, tight: 0)
     rate_known: List[Tuple[Optional[float], str]] = []
 
     def rate() -> Tuple[Optional[float], str]:
@@ -173,13 +180,14 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
             rate_known.append(read_rate() if read_rate is not None else (None, "not measured"))
         return rate_known[0]
 
-    def plan(disk: Tuple[bool, ...], reason: str = "") -> TierPlan:
+    def plan(disk: Tuple[bool, ...], reason: str = "", tight: bool = False) -> TierPlan:
         costs = [(s, f, d) for s, f, d, w in zip(sizes, freed, disk, waiting) if w]
         needs_ring = any(d for _, _, d in costs) and not any(fixed)
+        ring_now = ring(disk, tight) if any(disk) else 0
         peak, growth = _costs([c[0] for c in costs], [c[1] for c in costs], [c[2] for c in costs],
-                              ring(disk) if needs_ring else 0, chunk_bytes)
+                              ring_now if needs_ring else 0, chunk_bytes)
         known = rate_known[0][0] if rate_known else None
-        return TierPlan(disk, peak, growth, ring(disk) if any(disk) else 0, available, margin, reason, known)
+        return TierPlan(disk, peak, growth, ring_now, available, margin, reason, known, tight and any(disk))
 
     def fits(candidate: TierPlan) -> bool:
         return candidate.shortfall(slack) is None
@@ -197,7 +205,8 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
         return plan(tuple(f and not w for f, w in zip(fixed, waiting)))
     if mode == "disk":
         every = (True,) * n
-        return plan(every, f"host_store = disk; {reading(every)}")
+        usual = plan(every, f"host_store = disk; {reading(every)}")
+        return usual if fits(usual) else plan(every, usual.reason, tight=True)
     # The store aligns each tensor (host_store.ALIGNMENT_BYTES): its bytes exceed ComfyUI's by that padding alone.
     padding = sum(p for p, w in zip(padding_bytes or (0,) * n, waiting) if w)
 
@@ -211,19 +220,22 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     # The blocks latest in the step go first (the leading ones are the residents).
     order = [i for i in reversed(range(n)) if not start[i] and waiting[i]]
 
-    def with_disk(count: int) -> TierPlan:
+    def with_disk(count: int, tight: bool = False) -> TierPlan:
         disk = list(start)
         for index in order[:count]:
             disk[index] = True
-        return plan(tuple(disk))
+        return plan(tuple(disk), tight=tight)
 
-    def fewest(keeps: Callable[[TierPlan], bool]) -> int:
+    def fewest(keeps: Callable[[TierPlan], bool], tight: bool = False) -> int:
         """The fewest blocks on disk, in ``order``, that leave a plan ``keeps`` accepts (all of them if none does)."""
-        return next((count for count in range(len(order) + 1) if keeps(with_disk(count))), len(order))
+        return next((count for count in range(len(order) + 1) if keeps(with_disk(count, tight))), len(order))
 
-    keeps_margin = fewest(lambda p: available - p.growth_bytes >= margin or as_comfyui_alone(p))
-    # RAM leaves no choice below the floor, or where packing would not fit at all.
-    forced = fewest(lambda p: (available - p.growth_bytes >= min(floor, margin) and fits(p)) or as_comfyui_alone(p))
+    # RAM leaves no choice below the floor, or where packing would not fit at all: judged with the small ring,
+    # which such a plan then reads through (every MiB of ring is one less for ComfyUI and the sampler).
+    forced = fewest(lambda p: (available - p.growth_bytes >= min(floor, margin) and fits(p)) or as_comfyui_alone(p),
+                    tight=True)
+    tight = forced > 0
+    keeps_margin = fewest(lambda p: available - p.growth_bytes >= margin or as_comfyui_alone(p), tight)
     optional = order[forced:keeps_margin]
     count, why = max(forced, keeps_margin), ""
     if optional:
@@ -248,7 +260,7 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
             why = (f"disk fast enough: {len(optional)} blocks on disk keep auto's {margin / 2**20:.0f} MiB RAM margin "
                    f"({_size(optional_bytes)}, {_seconds(optional_bytes / per_s)} per step at {format_rate(per_s)} "
                    f"({how}), within the {_seconds(stall_budget_s)} auto allows)")
-    best = with_disk(count)
+    best = with_disk(count, tight)
     if not fits(best) and fits(in_ram):
         best = in_ram  # the disk plan's ring does not fit where packing into RAM does
     if not best.disk_blocks and not why:
@@ -263,7 +275,7 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
         parts.append(reading(best.disk, said=bool(why)))
     known = rate_known[0][0] if rate_known else None
     return TierPlan(best.disk, best.peak_bytes, best.growth_bytes, best.ring_bytes, available, margin,
-                    "; ".join(parts), known)
+                    "; ".join(parts), known, best.tight_ring)
 
 
 def _size(nbytes: int) -> str:

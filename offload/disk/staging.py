@@ -77,7 +77,8 @@ class StagingRing:
         self._order = 0
         self.ledger = PinLedger(pinner)
         self.pin = pinner is not None
-        self._pool = ThreadPoolExecutor(max_workers=max(1, readers), thread_name_prefix="layerwise-offload-disk")
+        self.readers = max(1, readers)
+        self._pool = ThreadPoolExecutor(max_workers=self.readers, thread_name_prefix="layerwise-offload-disk")
         self._lock = threading.Lock()
         self._in_flight = 0
         self._busy_since = 0.0
@@ -89,10 +90,10 @@ class StagingRing:
 
     # ----------------------------------------------------------------- the chunks
     def _ensure(self) -> None:
-        """The chunks, allocated at the first read; again, after every read and copy from them is done, where a
-        larger disk block than their size (a small one's) was written."""
+        """The chunks, allocated at the first read; again, after every read and copy from them is done, where the
+        chunk the disk blocks need changed (a larger block written after a small one's, or a tighter host plan)."""
         need = self.chunk_bytes
-        if self.chunks and self.bytes_each >= need:
+        if self.chunks and self.bytes_each == need:
             return
         self.quiesce()
         self.ledger.unpin_all()
@@ -175,12 +176,13 @@ class StagingRing:
     # ----------------------------------------------------------------- reads
     def _start(self, index: int, piece: int, staging: _Staging) -> None:
         """Start reading chunk ``piece`` of block ``index`` into ``staging`` (free), in requests of
-        :data:`READ_BYTES` spread over the readers."""
+        :data:`READ_BYTES` spread over the readers (smaller ones for a smaller chunk: one per reader)."""
         offset, nbytes = self.regions[index]
         size = self.bytes_each
         first = piece * size
         length = max(0, min(size, nbytes - first))
-        step = max(ALIGN, min(READ_BYTES, size) // ALIGN * ALIGN)
+        request = min(READ_BYTES, size // self.readers) if size >= READ_BYTES else size
+        step = max(ALIGN, request // ALIGN * ALIGN)
         view = memoryview(staging.buffer.numpy()).cast("B")
         if offset is None:
             jobs = []

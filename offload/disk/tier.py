@@ -4,7 +4,8 @@ A disk block never exists whole in RAM. Its copy to the device reads it chunk by
 a small ring of page-aligned staging chunks (page-locked on a GPU; :data:`STAGING_CHUNKS` of them, whatever the
 block size) and queues each chunk's host-to-device copy into its place in the device buffer as soon as that chunk
 is read (the ring, its readers and their ordering: :mod:`.staging`). So the disk tier's RAM is that ring
-(:func:`staging_ring_bytes`: 32 MiB), not prefetch + 2 whole blocks as before.
+(:func:`staging_ring_bytes`: 32 MiB, 8 MiB where RAM leaves no choice but the disk), not prefetch + 2
+whole blocks as before.
 
 This room holds where the blocks are and how they get there: :class:`DiskTier` places them, writes them, owns the
 cache file and the ring, and answers a copy with a :class:`DiskSource` (where the RAM tier answers with its host
@@ -33,23 +34,28 @@ from ..memory.pinning import copy_finished
 from .cache_file import ALIGN, CacheFile, aligned_buffer, padded
 from .staging import StagingRing
 
-__all__ = ["CHUNK_BYTES", "DiskSource", "DiskTier", "STAGING_CHUNKS", "staging_ring_bytes"]
+__all__ = ["CHUNK_BYTES", "DiskSource", "DiskTier", "STAGING_CHUNKS", "TIGHT_CHUNK_BYTES",
+           "staging_ring_bytes"]
 
 CHUNK_BYTES = 16 * 2**20  # one staging chunk (a 4 KiB multiple), and the buffer blocks are written through
+# Where RAM leaves no choice but the disk, the ring's chunks shrink to this (8 MiB of ring instead of 32): each is
+# still read as four requests in flight (staging.py), as the read-rate probe measures the disk.
+TIGHT_CHUNK_BYTES = 4 * 2**20
 STAGING_CHUNKS = 2  # the staging ring: this many chunks of host RAM, whatever the block size
 
 
-def staging_ring_bytes(largest_block_bytes: int, chunks: Optional[int] = None) -> int:
+def staging_ring_bytes(largest_block_bytes: int, chunks: Optional[int] = None, tight: bool = False) -> int:
     """The disk tier's staging RAM for disk blocks of at most ``largest_block_bytes``: ``chunks``
-    (:data:`STAGING_CHUNKS`) buffers of one :data:`CHUNK_BYTES` chunk each, or of the largest block, page-padded,
-    where that is smaller. It does not grow with the block: the accounting (host/side.py) and the tier use this."""
+    (:data:`STAGING_CHUNKS`) buffers of one :data:`CHUNK_BYTES` chunk each (``tight``, where RAM is short:
+    :data:`TIGHT_CHUNK_BYTES`), or of the largest block, page-padded, where that is smaller. It does not grow with
+    the block: the accounting (host/side.py) and the tier use this."""
     if largest_block_bytes <= 0:
         return 0
-    return (STAGING_CHUNKS if chunks is None else max(1, int(chunks))) * _chunk_bytes(largest_block_bytes)
+    return (STAGING_CHUNKS if chunks is None else max(1, int(chunks))) * _chunk_bytes(largest_block_bytes, tight)
 
 
-def _chunk_bytes(largest_block_bytes: int) -> int:
-    return max(ALIGN, min(CHUNK_BYTES, padded(largest_block_bytes)))
+def _chunk_bytes(largest_block_bytes: int, tight: bool = False) -> int:
+    return max(ALIGN, min(TIGHT_CHUNK_BYTES if tight else CHUNK_BYTES, padded(largest_block_bytes)))
 
 
 def _on_ring(name: str) -> property:
@@ -98,8 +104,9 @@ class DiskTier:
     ``pinner`` page-locks the ring, None: pageable)."""
 
     def __init__(self, folder: str, ring_size: int = STAGING_CHUNKS, readers: int = 4, pinner=None,
-                 expected_bytes: int = 0):
+                 expected_bytes: int = 0, tight: bool = False):
         self.folder = folder
+        self.tight = tight  # the ring's chunks are the small ones (the host plan says RAM is short)
         self.expected_bytes = expected_bytes
         self._file: Optional[CacheFile] = None  # made at the first block written (none: all from the checkpoint)
         self.regions: Dict[int, tuple] = {}  # block -> (cache-file offset, or None for the checkpoint; nbytes)
@@ -220,7 +227,7 @@ class DiskTier:
         the ring is allocated), and the ring's chunks are sized for the largest disk block."""
         self.finish()
         self._chunk = None
-        self.staging.chunk_bytes = _chunk_bytes(self._largest)
+        self.staging.chunk_bytes = _chunk_bytes(self._largest, self.tight)
 
     def read_ahead(self, indices: Sequence[int]) -> None:
         """Start reads for the disk blocks in ``indices`` (in the order they will be copied), chunk by chunk, while

@@ -279,7 +279,8 @@ class HostSide:
         ring = self.ring_size
         return plan_host_tiers(
             sizes, freed, mode, self._available_bytes(),
-            ring_bytes=lambda tiers: staging_ring_bytes(max((s for s, d in zip(sizes, tiers) if d), default=0), ring),
+            ring_bytes=lambda tiers, tight: staging_ring_bytes(max((s for s, d in zip(sizes, tiers) if d), default=0),
+                                                               ring, tight),
             margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(len(self.blocks))], chunk_bytes=CHUNK_BYTES,
             padding_bytes=padding,
             already_disk=[disk is not None and disk.holds(i) for i in range(len(self.blocks))],
@@ -321,6 +322,8 @@ class HostSide:
             pinner = self.pinner if self.pin_memory else None
             self.disk = DiskTier(self._disk_folder(), self.ring_size, pinner=pinner,
                                  expected_bytes=expected_bytes)
+        plan = self.tier_plan
+        self.disk.tight = plan is not None and plan.tight_ring
         return self.disk
 
     def tiers(self) -> List[str]:
@@ -462,7 +465,8 @@ class HostSide:
         if unsupported is None and plan.disk_blocks < len(self.blocks):
             waiting = range(len(self.blocks)) if waiting is None else waiting
             disk_fits = self._plan_tiers(waiting, "disk").shortfall() is None
-        ring = f"{self.ring_size} chunks of at most {disk_tier.CHUNK_BYTES / 2**20:.0f} MiB"
+        ring = (f"{self.ring_size} chunks of at most {disk_tier.CHUNK_BYTES / 2**20:.0f} MiB, "
+                f"{disk_tier.TIGHT_CHUNK_BYTES / 2**20:.0f} MiB where RAM is short")
         return refusal(plan, settings, ring, len(self.blocks), unsupported, disk_fits)
 
 

@@ -10,7 +10,10 @@ to 32 MiB (first tried: what the server holds plus the model's file, the floor o
 auto: leading on the CPU loopback, pin_memory on, host_store auto) three times: each completes, bitwise ComfyUI alone's latent, without the "host
 memory is short" refusal, auto keeping no resident block (a resident would be more loopback "VRAM" than the two
 slots), and the server lives. Before every run everything is unloaded and the model's file dropped from the page
-cache, so each run starts from the same state and page-cache timing cannot flip the outcome.
+cache, so each run starts from the same state and page-cache timing cannot flip the outcome. What the server holds
+between runs still drifts on a busy machine: a node run that does not complete is followed by ComfyUI alone at its
+limit again, and where alone does not complete there either, alone's limit is searched again (once) and the run
+repeated against it; where alone does, the node's failure stands.
 
 A run that does not fit meets the cgroup's OOM killer, as a user's ComfyUI would: a fresh server, warmed up the
 same way, takes over. (Switching the killer off instead, cgroup v1's ``oom_kill_disable``, was tried: system calls
@@ -365,8 +368,10 @@ def node_limit(servers: Servers, loader: str, failed_at: int, ceiling: int) -> O
 
 # With a loader that leaves the weights in the file (ComfyUI alone then runs from reclaimable page cache), auto reads
 # every block from the file through the disk tier's staging ring. That ring was prefetch + 2 whole blocks of
-# anonymous RAM (the node needed alone's limit + the slots + 192 MiB); it is now a few chunks whatever the block
-# (offload/disk/tier.py staging_ring_bytes: 2 x 16 MiB), and these run in the suite (about 4 and 3 minutes).
+# anonymous RAM (the node needed alone's limit + the slots + 192 MiB); it became a few chunks whatever the block
+# (2 x 16 MiB), which left the node 28 MiB above alone + the slots with ComfyUI-GGUF (measured at 4 MiB resolution)
+# and failed this test once in CI; where RAM leaves no choice but the disk it is now 2 x 4 MiB (offload/disk/tier.py
+# TIGHT_CHUNK_BYTES): 8 MiB above, inside the search's resolution.
 @pytest.mark.parametrize("loader", ["UNETLoader", LAYERWISE_LOADER, GGUF_LOADER])
 def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader):
     from layerwise_offload.nodes.offload_node import DEFAULTS as NODE_DEFAULTS
@@ -387,10 +392,24 @@ def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader):
                 f"under {limit / MiB:.0f} + {slots / MiB:.0f} MiB (2 loopback slots of {servers.block[loader] / MiB:.0f} MiB "
                 f"and the search's {RESOLUTION / MiB:.0f} MiB resolution)",
                 summary=True)
-    for run in range(RUNS):
+    run, searched_again = 0, False
+    while run < RUNS:
         got = attempt(servers, loader, limit + slots, f"limit/{loader}/node{run}", DEFAULTS)
         servers.say(f"[layerwise-offload]   node run {run}: {'completed' if got.completed else got.why[:200]}; "
                     f"{got.disk_plan}; auto residents: {got.residents}", summary=True)
+        if not got.completed and not searched_again:
+            # The promise is a comparison under the same conditions: if ComfyUI alone no longer completes at its
+            # limit either, the server's state moved (what it holds between runs drifts by tens of MiB on a busy
+            # machine), not the node. Alone's limit is searched again, once, and the run repeated against it.
+            again = attempt(servers, loader, limit, f"limit/{loader}/alone_again")
+            if not again.completed:
+                searched_again = True
+                del servers.limits[loader]
+                limit, free = comfyui_alone_limit(servers, loader)
+                servers.say(f"[layerwise-offload] {loader}: ComfyUI alone no longer completed at its limit either "
+                            f"({again.why[:120]}): searched again, {limit / MiB:.0f} MiB; run {run} again",
+                            summary=True)
+                continue
         if not got.completed:
             needs = node_limit(servers, loader, limit + slots, free.peak + 4 * slots)
             needs_text = (f"the node completes from {needs / MiB:.0f} MiB, {(needs - limit - slots) / MiB:.0f} MiB "
@@ -407,6 +426,33 @@ def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader):
         assert torch.equal(got.latent, free.latent), f"{loader}, run {run}: not ComfyUI alone's latent"
         assert "host memory is short" not in got.log, got.log[-3000:]
         assert got.residents == 0, f"auto kept {got.residents} resident blocks: more loopback 'VRAM' than the slots"
+        run += 1
     assert servers.server.alive()
     servers.say(f"[layerwise-offload] {loader}: {time.perf_counter() - started:.0f} s; {servers.starts} server "
                 f"start(s) so far ({servers.start_seconds:.0f} s)", summary=True)
+
+
+# Not in the suite (about 8 minutes a loader): the node's own smallest limit against ComfyUI alone's, both searched
+# to 4 MiB, so the RAM the node adds over alone + the loopback's slots is a figure, not a pass. Measured on 0.3.75
+# with ComfyUI-GGUF: 28 MiB with the 32 MiB staging ring, 8 MiB with the 8 MiB one RAM-short plans now take.
+@pytest.mark.skipif(not os.environ.get("LAYERWISE_OFFLOAD_LIMIT_MEASURE"),
+                    reason="a measurement: LAYERWISE_OFFLOAD_LIMIT_MEASURE=1 searches the node's own limit too")
+@pytest.mark.parametrize("loader", LOADERS)
+def test_measure_what_the_node_adds_over_comfyui_alone_and_its_slots(limit_servers, loader, monkeypatch):
+    from layerwise_offload.offload.disk.tier import STAGING_CHUNKS, TIGHT_CHUNK_BYTES
+
+    servers = limit_servers
+    if loader == GGUF_LOADER and servers.gguf_missing:
+        pytest.skip(servers.gguf_missing)
+    monkeypatch.setitem(globals(), "RESOLUTION", 4 * MiB)  # the searches read the module's figure
+    servers.limits.pop(loader, None)
+    alone, free = comfyui_alone_limit(servers, loader)
+    slots = 2 * servers.block[loader]
+    needs = node_limit(servers, loader, alone + slots - 64 * MiB, free.peak + 4 * slots)
+    assert needs is not None, f"{loader}: the node did not complete below {(free.peak + 4 * slots) / MiB:.0f} MiB"
+    added = needs - alone - slots
+    servers.say(f"[layerwise-offload] {loader}: ComfyUI alone {alone / MiB:.0f} MiB (the server {free.before / MiB:.0f} "
+                f"MiB before it), the node {needs / MiB:.0f} MiB: {added / MiB:+.0f} MiB over alone + the slots "
+                f"(4 MiB resolution)", summary=True)
+    ring = STAGING_CHUNKS * TIGHT_CHUNK_BYTES
+    assert added <= ring + 4 * MiB, f"{loader}: the node adds {added / MiB:.0f} MiB, over its {ring / MiB:.0f} MiB ring"

@@ -197,3 +197,70 @@ def test_the_readmes_flux_staging_figures_are_the_accounting():
     assert line, "the README's staging RAM line for Flux.1-dev"
     assert [int(g) for g in line.groups()] == [round(largest / MiB), round(before / MiB), round(now / MiB)]
     assert now == staging_ring_bytes(largest) == disk_tier.STAGING_CHUNKS * disk_tier.CHUNK_BYTES
+
+
+def test_where_ram_leaves_no_choice_the_ring_is_of_small_chunks_read_by_every_reader(tmp_path, monkeypatch):
+    """Auto over a mapped checkpoint (packing frees nothing) with RAM for less than the floor beside the blocks: every
+    block must go to disk, and the ring it reads through is two small chunks (8 MiB, not 32), each read as one
+    request per reader (the read-rate probe's request size); the output stays bitwise. With RAM to spare the same
+    blocks on disk (host_store = disk) read through the usual ring."""
+    from layerwise_offload.offload.disk import staging as disk_staging
+    from layerwise_offload.offload.disk.budget import RAM_FLOOR_BYTES
+
+    requests = []
+    read = disk_staging.StagingRing._read_checkpoint
+    monkeypatch.setattr(disk_staging.StagingRing, "_read_checkpoint",
+                        staticmethod(lambda view, fd, offset: requests.append(len(view)) or read(view, fd, offset)))
+    x = torch.randn(2, 4096, generator=torch.Generator().manual_seed(0))
+    for host_store, available, tight in (("auto", BLOCKS * 64 * MiB + RAM_FLOOR_BYTES // 2, True),
+                                         ("disk", 2**40, False)):
+        model = Model(4096)  # 64 MiB blocks
+        with torch.no_grad():
+            want = model(x)
+        folder = tmp_path / host_store
+        folder.mkdir()
+        model = over_checkpoint(model, folder)
+        requests.clear()
+        manager = LayerwiseOffloadManager(list(model.blocks), "cpu", resident_layers=0, prefetch_size=1,
+                                          host_store=host_store, environment=HostEnvironment(
+                                              disk_folder=str(folder), available_host_bytes=lambda: available))
+        manager.attach(model)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), want)
+        stats = manager.stats()
+        plan = manager.host.tier_plan
+        assert stats.disk_blocks == BLOCKS and plan.tight_ring == tight, plan
+        chunk = disk_tier.TIGHT_CHUNK_BYTES if tight else disk_tier.CHUNK_BYTES
+        assert stats.staging_bytes == plan.ring_bytes == disk_tier.STAGING_CHUNKS * chunk
+        assert max(requests) == chunk // 4  # four readers: four requests in flight per chunk
+        if tight:
+            assert "RAM short: 3 blocks must go to disk" in plan.reason
+        manager.detach()
+
+
+def test_the_tight_ring_is_planned_only_where_ram_leaves_no_choice():
+    """The plan's ring: the usual chunks where blocks go to disk only to keep auto's margin; the small ones where RAM
+    forces them there; and for host_store = disk, the small ones only where the usual ring would not fit."""
+    from layerwise_offload.offload.disk.budget import (PACKING_SLACK_BYTES, RAM_FLOOR_BYTES, RAM_MARGIN_BYTES,
+                                                       plan_host_tiers)
+
+    sizes = [64 * MiB] * 6
+
+    def ring(disk, tight):
+        return staging_ring_bytes(max((s for s, d in zip(sizes, disk) if d), default=0), None, tight)
+
+    def plan(available, mode="auto"):
+        return plan_host_tiers(sizes, [0] * len(sizes), mode, available, ring_bytes=ring,
+                               chunk_bytes=disk_tier.CHUNK_BYTES, read_rate=lambda: (2e9, "given"))
+    usual = disk_tier.STAGING_CHUNKS * disk_tier.CHUNK_BYTES
+    margin_only = plan(sum(sizes) + RAM_MARGIN_BYTES - 2 * 64 * MiB + usual)  # two keep the margin, none is forced
+    assert margin_only.disk_blocks == 2 and not margin_only.tight_ring
+    assert margin_only.ring_bytes == usual
+    forced = plan(sum(sizes) + RAM_FLOOR_BYTES - 2 * 64 * MiB)
+    assert forced.tight_ring and forced.ring_bytes == disk_tier.STAGING_CHUNKS * disk_tier.TIGHT_CHUNK_BYTES
+    assert "RAM short" in forced.reason
+    assert not plan(2**40, "disk").tight_ring
+    # Packing's slack (64 MiB) and its 16 MiB write chunk fit, the usual 32 MiB ring does not: the small one does.
+    short = plan(PACKING_SLACK_BYTES + disk_tier.CHUNK_BYTES + MiB, "disk")
+    assert short.tight_ring and short.shortfall() is None and short.peak_bytes == disk_tier.CHUNK_BYTES
