@@ -3,6 +3,7 @@
     python -P bench/bench_engine.py [engine] [--device cpu|cuda] [--json OUT] [--repeats N]   # (a) and (b)
     python -P bench/bench_engine.py host-ram [--device cpu|cuda] [--dim 1024] [--blocks 8] [--resident 3]
     python -P bench/bench_engine.py disk [--dim 2048] [--blocks 16] [--steps 4] [--folder DIR] [--source checkpoint]
+                                         [--tight-ring]
 
 (a) Hook overhead: tiny blocks run bare, with no-op forward hooks (PyTorch's own hook dispatch) and with the manager,
     every block resident (what remains is its per-block bookkeeping). (b) Copy throughput: large blocks, negligible
@@ -19,7 +20,8 @@ disk: the disk tier (``host_store="disk"``) over ``--steps`` forwards: bytes rea
     same request size, right after (target >= 0.8); the stall the reads caused; anonymous RSS growth against the
     staging ring + on the CPU loopback the "device" slots (target <= that + 5 %). ``--source checkpoint``: the blocks
     saved once as .safetensors (then dropped from the page cache), mapped as Load Diffusion Model (Layerwise) maps
-    them, and read from there. Written to bench/results/disk_tier_<device>[_checkpoint].json.
+    them, and read from there. ``--tight-ring``: through the ring RAM-short plans take (2 x 4 MiB, 1 MiB requests),
+    the plain read keeping the usual request size. Written to bench/results/disk_tier_<device>[_checkpoint][_tight].json.
 """
 
 from __future__ import annotations
@@ -326,6 +328,16 @@ def checkpoint_blocks(blocks: nn.ModuleList, folder: str):
 
 
 def disk(args, device: torch.device) -> dict:
+    usual_chunk = offload.disk.tier.CHUNK_BYTES
+    if args.tight_ring:  # the ring a RAM-short plan reads through: its chunks, and so its requests, smaller
+        offload.disk.tier.CHUNK_BYTES = offload.disk.tier.TIGHT_CHUNK_BYTES
+    try:
+        return _disk(args, device, usual_chunk)
+    finally:
+        offload.disk.tier.CHUNK_BYTES = usual_chunk
+
+
+def _disk(args, device: torch.device, usual_chunk: int) -> dict:
     torch.manual_seed(0)
     before = anon_rss()
     blocks = nn.ModuleList(Block(args.dim) for _ in range(args.blocks))
@@ -352,7 +364,7 @@ def disk(args, device: torch.device) -> dict:
     # Looks inside: the cache file's path and the tier's request size, to time a plain read of the same file.
     cache = manager.host.disk
     source_path = checkpoint.path if checkpoint is not None else cache.file.path
-    plain = plain_direct_read(source_path, offload.disk.tier.CHUNK_BYTES)
+    plain = plain_direct_read(source_path, usual_chunk)
     tier_gbps = stats.disk_bytes_read / stats.disk_read_seconds / 1e9 if stats.disk_read_seconds else 0.0
     slots = stats.slot_count * max(manager.block_nbytes()) if device.type == "cpu" else 0
     result = {
@@ -365,13 +377,14 @@ def disk(args, device: torch.device) -> dict:
         "stall_seconds_per_step": [round(s, 4) for s in stalls], "rss_growth_bytes": grown,
         "staging_bytes": stats.staging_bytes, "loopback_slot_bytes": slots,
         "rss_growth_within_target": grown <= 1.05 * (stats.staging_bytes + slots), "folder": cache.folder,
-        "read_file": source_path,
+        "read_file": source_path, "tight_ring": bool(args.tight_ring),
     }
     manager.detach()
     if checkpoint is not None:
         os.unlink(checkpoint.path)
     print(json.dumps(result, indent=2))
-    args.json = args.json or str(RESULTS / f"disk_tier_{device.type}{'_checkpoint' if checkpoint else ''}.json")
+    args.json = args.json or str(RESULTS / (f"disk_tier_{device.type}{'_checkpoint' if checkpoint else ''}"
+                                            f"{'_tight' if args.tight_ring else ''}.json"))
     return result
 
 
@@ -405,6 +418,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--folder", default=None, help="the cache file's folder (default: the pack's default)")
     p.add_argument("--source", choices=("cache", "checkpoint"), default="cache")
+    p.add_argument("--tight-ring", action="store_true",
+                   help="read through the small ring RAM-short plans take (2 x 4 MiB) instead of 2 x 16 MiB")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and args.command != "disk" else "cpu"))
