@@ -84,7 +84,7 @@ class StagingRing:
         self._busy_since = 0.0
         self.bytes_read = 0
         self.reads = 0
-        self.read_seconds = 0.0  # wall time with at least one read in flight
+        self._read_seconds_done = 0.0  # the busy periods that ended (read_seconds adds the running one)
         self.stall_seconds = 0.0  # time the host waited for a read it needed now
         self.demand_reads = 0  # reads not issued ahead (started when the copy needed them)
 
@@ -106,6 +106,15 @@ class StagingRing:
     @property
     def nbytes(self) -> int:
         return self.bytes_each * len(self.chunks)
+
+    @property
+    def read_seconds(self) -> float:
+        """Wall time with at least one read in flight, the running period included: while the ring keeps reading
+        ahead a busy period need not end for many steps, and a rate or a run's share read before it ended would
+        count none of it."""
+        with self._lock:
+            running = time.perf_counter() - self._busy_since if self._in_flight else 0.0
+            return self._read_seconds_done + running
 
     @property
     def pinned(self) -> bool:
@@ -227,7 +236,7 @@ class StagingRing:
             if remaining[0] <= 0:
                 self._in_flight -= 1
                 if self._in_flight == 0:
-                    self.read_seconds += time.perf_counter() - self._busy_since
+                    self._read_seconds_done += time.perf_counter() - self._busy_since
 
     @staticmethod
     def _fill_kept(buffer: torch.Tensor, chunk: tuple) -> None:

@@ -13,7 +13,7 @@ from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
 from layerwise_offload.offload.disk import tier as disk_tier
 from layerwise_offload.offload.disk.cache_file import padded
 from layerwise_offload.offload.disk.checkpoint import CheckpointFile
-from layerwise_offload.offload.disk.tier import DiskTier, staging_ring_bytes
+from layerwise_offload.offload.disk.tier import DiskSource, DiskTier, staging_ring_bytes
 from layerwise_offload.offload.host.packing import _packed_sources, block_parameters, plan_layout
 
 MiB = 2**20
@@ -264,3 +264,33 @@ def test_the_tight_ring_is_planned_only_where_ram_leaves_no_choice():
     # Packing's slack (64 MiB) and its 16 MiB write chunk fit, the usual 32 MiB ring does not: the small one does.
     short = plan(PACKING_SLACK_BYTES + disk_tier.CHUNK_BYTES + MiB, "disk")
     assert short.tight_ring and short.shortfall() is None and short.peak_bytes == disk_tier.CHUNK_BYTES
+
+
+def test_read_seconds_count_a_read_still_in_flight(tmp_path, monkeypatch):
+    """The tier's read time (the Stats node's rate, a run's share in its log line) counts the busy period still
+    running: a ring that keeps reading ahead may not fall idle for many steps, and counting only ended periods
+    read 0 s for 4 GiB in bench_engine disk."""
+    import threading
+    import time
+
+    tier = DiskTier(str(tmp_path))
+    block = torch.ones(4 * MiB, dtype=torch.uint8)
+    tier.write(0, block.numel(), [(0, block)])
+    release = threading.Event()
+    read_into = tier.file.read_into
+
+    def held(view, offset):
+        release.wait(30)
+        return read_into(view, offset)
+    monkeypatch.setattr(tier.file, "read_into", held)
+    try:
+        tier.read_ahead([0])
+        time.sleep(0.3)
+        in_flight = tier.read_seconds
+        assert in_flight >= 0.3
+    finally:
+        release.set()
+    out = DiskSource(tier, 0).read()
+    assert torch.equal(out, block)
+    assert tier.read_seconds >= in_flight
+    tier.close()
