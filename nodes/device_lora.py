@@ -126,6 +126,8 @@ class DeviceLora:
     def __call__(self, index: int, weights: Sequence[torch.Tensor]) -> None:
         for position, key, patches in self.device_plan.get(index, ()):
             weight = weights[position]
+            if weight is None:  # not in this copy: a streamed block's head, patched when it was copied
+                continue
             weight.copy_(patched_weight(weight, patches, key, self._compute_dtype, self._seeds[key]))
 
 

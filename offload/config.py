@@ -49,6 +49,10 @@ class OffloadConfig:
     host_store: where the blocks' host copies live. ``ram`` (the host store); ``disk`` (a packed cache file,
         read back ahead of use through a small staging ring, see disk/tier.py); ``auto`` keeps them in RAM while
         the host keeps a margin free and puts the rest on disk, the blocks latest in the step first.
+    streamed_tail_bytes: 0 streams each streamed block whole. N > 0 keeps each streamed block's leading weights on
+        the device (its head, copied once, like a resident) and streams only its last weights, at most N bytes (at
+        least its last weight): the slots shrink to the largest tail, so a VRAM budget streams fewer bytes per step
+        than whole blocks could (auto sizes it, see planner.smallest_tail_cap). A block on disk streams whole.
     """
 
     resident_layers: ResidentLayers = 0
@@ -58,6 +62,7 @@ class OffloadConfig:
     measure_time: bool = True
     released_params: str = "placeholder"
     host_store: str = "ram"
+    streamed_tail_bytes: int = 0
 
     def __post_init__(self):
         _check_resident_layers(self.resident_layers)
@@ -73,6 +78,10 @@ class OffloadConfig:
                              f"got {self.released_params!r}")
         if self.host_store not in HOST_STORES:
             raise ValueError(f"host_store must be one of {', '.join(HOST_STORES)}, got {self.host_store!r}")
+        if (isinstance(self.streamed_tail_bytes, bool) or not isinstance(self.streamed_tail_bytes, numbers.Integral)
+                or self.streamed_tail_bytes < 0):
+            raise ValueError(f"streamed_tail_bytes must be an integer >= 0 (0 streams whole blocks), "
+                             f"got {self.streamed_tail_bytes!r}")
         if self.pin_memory not in (None, True, False):
             raise ValueError(f"pin_memory must be True, False or None (automatic), got {self.pin_memory!r}")
 

@@ -3,7 +3,9 @@
 Blocks keep their parameter objects for life; only their data changes (``param.data``, or a swapped-in
 quantized subclass). A block is *materialized* (parameters view a device buffer) or *released* (empty
 placeholders, or host views). Resident blocks own a device buffer each and stay materialized across forwards;
-streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copied in one ahead of use.
+streamed blocks share a ring of ``prefetch_size + 1`` device slots and are copied in one ahead of use. With
+``streamed_tail_bytes`` a streamed block streams only its tail: its head has a device buffer of its own, copied
+once like a resident's, and its parameters view the head and its slot.
 """
 
 from __future__ import annotations
@@ -124,10 +126,27 @@ class LayerwiseOffloadManager:
             return [layout.nbytes for layout in self.store.layouts]
         return [plan_layout(named).nbytes for named in self.params.named]
 
+    def tail_options(self) -> List[tuple]:
+        """Per block, the sizes its streamed tail can have, ascending, the whole block last (``BlockLayout.tail_sizes``);
+        a block on disk streams whole (its reads are of whole blocks)."""
+        layouts = self.store.layouts if self.store is not None else [plan_layout(named) for named in self.params.named]
+        tiers = self.host.tiers()
+        return [layout.tail_sizes if tier == "ram" else (layout.nbytes,) for layout, tier in zip(layouts, tiers)]
+
+    def block_tails(self, config: Optional[OffloadConfig] = None) -> Optional[List[int]]:
+        """Per block, the bytes it streams when it streams under ``config`` (the manager's by default): its tail
+        under ``streamed_tail_bytes``; None where every streamed block streams whole."""
+        cap = (config or self.config).streamed_tail_bytes
+        if cap <= 0:
+            return None
+        layouts = self.store.layouts if self.store is not None else [plan_layout(named) for named in self.params.named]
+        return [layout.tail_bytes(cap) if tier == "ram" else layout.nbytes
+                for layout, tier in zip(layouts, self.host.tiers())]
+
     def planned_device_bytes(self, schedule: Optional[Schedule] = None) -> int:
-        """The device bytes the plan holds once armed: resident buffers plus streaming slots."""
+        """The device bytes the plan holds once armed: resident buffers, streamed blocks' heads, streaming slots."""
         schedule = schedule or self.schedule or self._make_schedule()
-        return schedule.device_bytes(self.block_nbytes(), self.config.prefetch_size)
+        return schedule.device_bytes(self.block_nbytes(), self.config.prefetch_size, self.block_tails())
 
     def device_bytes(self) -> int:
         return self.device_memory.nbytes()
@@ -176,6 +195,8 @@ class LayerwiseOffloadManager:
         handle = states.take_pending(index)
         if handle is not None:
             self.backend.wait_for_copy(handle)
+        if states.head_pending:  # a streamed block's head copied by the arming: waited for once
+            self.backend.wait_for_copy(states.head_pending.pop(index, None))
         views = states.unhide(index)
         if views is not None:  # prefetched by the last forward (end_forward): the wait is queued now
             self._point_at(index, views)
@@ -243,14 +264,19 @@ class LayerwiseOffloadManager:
         self.prepare()
         schedule = self._make_schedule()
         sizes = self.block_nbytes()
-        plan = schedule.footprint(sizes, self.config.prefetch_size)
+        tails = self.block_tails()
+        plan = schedule.footprint(sizes, self.config.prefetch_size, tails)
         move_block_buffers(self.blocks, self.device)
         self._sync_pinning(schedule)
         memory = self.device_memory
         memory.inference = self.inference_tensors
+        self._splits = [0] * self.num_blocks if tails is None else [
+            0 if schedule.resident[i] else sizes[i] - tails[i] for i in range(self.num_blocks)]
+        heads = [(i, split) for i, split in enumerate(self._splits) if split > 0]
+        new_heads = [i for i, _ in heads if i not in memory.heads]
         try:
             allocated = memory.hold([(i, sizes[i]) for i in schedule.resident_blocks], plan.slot_count,
-                                    plan.slot_size, self.backend.mark_compute)
+                                    plan.slot_size, self.backend.mark_compute, heads=heads)
         except BaseException:
             self.release_all()  # what a replan kept goes too: an unarmed manager holds nothing
             raise
@@ -259,6 +285,8 @@ class LayerwiseOffloadManager:
         for index in schedule.resident_blocks:
             if not self.states.materialized[index]:
                 self._materialize(index, after=allocated)
+        for index in new_heads:
+            self._copy_head(index, allocated)
         self._note_peaks()
 
     # ----------------------------------------------------------------- copies
@@ -275,6 +303,7 @@ class LayerwiseOffloadManager:
         """Give block ``index`` its device buffer (its own, or a slot), queue its copy, point it there."""
         layout = self.store.layouts[index]
         memory = self.device_memory
+        split = 0
         if self.schedule.resident[index]:
             buffer, fresh = memory.resident(index, layout.nbytes)
             if fresh:  # a forced release gave the buffer back: it is new memory
@@ -290,25 +319,50 @@ class LayerwiseOffloadManager:
                     f"block; raise prefetch_size or check for re-entrant block calls")
             buffer, after = memory.take(slot, index)
             key = (slot, index)
-        views = self.params.views(key, lambda: layout.weight_views(buffer), layout)
+            split = self._splits[index]
+        if split:  # the head stays in its own buffer: the tail is what streams
+            head = memory.heads[index]
+            views = self.params.views(key, lambda: layout.weight_views(head, buffer, split), layout)
+        else:
+            views = self.params.views(key, lambda: layout.weight_views(buffer), layout)
         destination = views.destination
         if destination is None:
-            destination = views.destination = buffer.narrow(0, 0, layout.nbytes)
+            destination = views.destination = buffer.narrow(0, 0, layout.nbytes - split)
         host = self.host
         if host.reads_ahead(index):
             ahead = self.calls.lookahead(index, self.config.prefetch_size + host.ring_size, self.schedule)
         else:
             ahead = ()
         source = host.source(index, ahead)
+        if split:
+            source = source.narrow(0, split, layout.nbytes - split)
         bounce = (host.pinner if self.schedule.resident[index] and self.pin_memory
                   and self._copy_is_pageable(index) else None)
-        handle = self.copier.copy(self.backend, index, destination, source, after, views, bounce_pinner=bounce)
+        handle = self.copier.copy(self.backend, index, destination, source, after, views, bounce_pinner=bounce,
+                                  written=layout.weights_in_tail(split) if split else None)
         self.host.copied(index, handle)
         self._point_at(index, views)
         self.states.copied_in(index, views, handle)
-        self.counters.count_copy(index, layout.nbytes, resident=self.schedule.resident[index])
+        self.counters.count_copy(index, layout.nbytes - split, resident=self.schedule.resident[index])
         self._note_peaks()
         return True
+
+    def _copy_head(self, index: int, after) -> None:
+        """Queue the copy of streamed block ``index``'s head into its own buffer (once per arming, like a resident's
+        copy, the transform on its weights); the block's first run waits for it."""
+        inference = self.inference_tensors
+        with torch.inference_mode(inference):
+            layout, split = self.store.layouts[index], self._splits[index]
+            head = self.device_memory.heads[index]
+            in_head = tuple(not tail for tail in layout.weights_in_tail(split))
+            weights = layout.head_weight_views(head, split) if self.copier.transform is not None else ()
+            source = self.host.source(index).narrow(0, 0, split)
+            bounce = self.host.pinner if self.pin_memory and self._copy_is_pageable(index) else None
+            handle = self.copier.copy(self.backend, index, head, source, after, weights, bounce_pinner=bounce,
+                                      written=in_head)
+            self.host.copied(index, handle)
+            self.states.head_pending[index] = handle
+            self.counters.count_copy(index, split, resident=True)
 
     def _point_at(self, index: int, views: Sequence[torch.Tensor]) -> None:
         self.params.point_at(index, self.store.layouts[index], views)
@@ -349,6 +403,7 @@ class LayerwiseOffloadManager:
             self._reset_device_state()
 
     def _reset_device_state(self) -> None:
+        self._splits = [0] * self.num_blocks  # per block: where its streamed tail begins (0: streams whole)
         self.schedule = None
         self.calls.set_plan(None)
         self.device_memory.clear()
@@ -374,7 +429,7 @@ class LayerwiseOffloadManager:
             self.release_all()
         self.config = config
 
-    RESIDENCY_SETTINGS = frozenset({"resident_layers", "policy"})
+    RESIDENCY_SETTINGS = frozenset({"resident_layers", "policy", "streamed_tail_bytes"})
 
     @compiler_disable
     def _keep_what_stays(self, config: OffloadConfig) -> None:
@@ -386,13 +441,25 @@ class LayerwiseOffloadManager:
             return
         try:
             schedule = Schedule.for_config(config, self.num_blocks)
-            ring = schedule.footprint(self.block_nbytes(), config.prefetch_size)
+            sizes, tails = self.block_nbytes(), self.block_tails(config)
+            ring = schedule.footprint(sizes, config.prefetch_size, tails)
             keep_ring = memory.ring_is(ring.slot_count, ring.slot_size)
+            splits = [0 if schedule.resident[i] or tails is None else sizes[i] - tails[i]
+                      for i in range(self.num_blocks)]
             for index in range(self.num_blocks):
                 resident = index in memory.residents
                 if resident and schedule.resident[index]:
                     continue  # stays, copied and pointed as it is
-                if resident or (states.materialized[index] and (schedule.resident[index] or not keep_ring)):
+                split_changed = splits[index] != self._splits[index]
+                if index in memory.heads and split_changed:  # its head is freed (another split, or now resident)
+                    self.backend.wait_host(states.head_pending.pop(index, None))
+                    if states.materialized[index]:
+                        self.backend.wait_host(states.take_pending(index))
+                        self._release(index)
+                    memory.drop_head(index)
+                    self.params.drop_views(index)
+                if resident or (states.materialized[index] and (schedule.resident[index] or not keep_ring
+                                                                or split_changed)):
                     # Its memory is freed or changes hands: a copy into it nobody waited for must be done first.
                     self.backend.wait_host(states.take_pending(index))
                     self._release(index)
@@ -431,8 +498,9 @@ class LayerwiseOffloadManager:
         counts, store, disk = self.counters, self.store, self.host.disk
         checkpoint_bytes = disk.checkpoint_bytes() if disk is not None else 0
         disk_bytes = disk.nbytes() if disk is not None else 0
-        sizes = self.block_nbytes()
+        sizes, tails = self.block_nbytes(), self.block_tails()
         host_tiers = self.host.tiers()
+        plan = schedule.footprint(sizes, self.config.prefetch_size, tails)
         return OffloadStats(
             num_blocks=self.num_blocks,
             resident_blocks=len(schedule.resident_blocks),
@@ -449,7 +517,7 @@ class LayerwiseOffloadManager:
             resident_bytes=self.device_memory.resident_bytes(),
             device_bytes=self.device_bytes(),
             peak_device_bytes=counts.peak_device_bytes,
-            planned_device_bytes=schedule.device_bytes(sizes, self.config.prefetch_size),
+            planned_device_bytes=plan.total,
             host_bytes=store.nbytes() - (disk_bytes - checkpoint_bytes) if store is not None else 0,
             pinned_host_bytes=store.pinned_nbytes() if store is not None else 0,
             host_bytes_requested=store.ledger.bytes_requested if store is not None else 0,
@@ -465,8 +533,10 @@ class LayerwiseOffloadManager:
             staging_bytes=disk.ring_bytes if disk is not None else 0,
             disk_checkpoint_blocks=len(disk.extents) if disk is not None else 0,
             block_tiers=tuple("resident" if schedule.resident[i] else host_tiers[i] for i in range(self.num_blocks)),
-            slot_count=schedule.footprint(sizes, self.config.prefetch_size).slot_count,
+            slot_count=plan.slot_count,
             asynchronous=self.backend.asynchronous,
+            head_bytes=self.device_memory.head_bytes(),
+            streamed_tail_bytes=self.config.streamed_tail_bytes,
         )
 
     def host_ram_bytes(self) -> int:

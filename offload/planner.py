@@ -23,9 +23,9 @@ from typing import Optional, Sequence, Tuple
 
 from .activation_model import find_line, line_bytes, tokens_for
 from .config import POLICIES
-from .schedule import choose_resident_blocks, footprint, largest_fitting
+from .schedule import choose_resident_blocks, footprint, largest_fitting, tail_within
 
-__all__ = ["ResidencyPlan", "plan_residency", "ActivationEstimate", "forward_activation_bytes",
+__all__ = ["ResidencyPlan", "plan_residency", "plan_streamed_tails", "ActivationEstimate", "forward_activation_bytes",
            "estimate_activation_bytes", "describe", "format_bytes"]
 
 
@@ -59,6 +59,8 @@ class ResidencyPlan:
     fits: bool
     policy: str
     prefetch_size: int
+    head_bytes: int = 0  # the streamed blocks' heads (with streamed tails)
+    tail_cap: int = 0  # streamed_tail_bytes: 0 streams whole blocks
 
     @property
     def streamed_count(self) -> int:
@@ -66,8 +68,8 @@ class ResidencyPlan:
 
     @property
     def device_bytes(self) -> int:
-        """What the manager itself will hold once armed (residents plus slots)."""
-        return self.resident_bytes + self.slot_bytes
+        """What the manager itself will hold once armed (residents, heads and slots)."""
+        return self.resident_bytes + self.head_bytes + self.slot_bytes
 
 
 def _check_bytes(name: str, value) -> int:
@@ -127,6 +129,40 @@ def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes
         non_block_bytes=non_block_bytes, free_bytes=free_bytes,
         required_bytes=need, headroom_bytes=free_bytes - need,
         fits=need <= free_bytes, policy=policy, prefetch_size=int(prefetch_size))
+
+
+def plan_streamed_tails(block_bytes: Sequence[int], tail_options: Sequence[Sequence[int]], free_bytes: int, *,
+                        reserve_bytes: int = 0, activation_bytes: int = 0, non_block_bytes: int = 0,
+                        prefetch_size: int = 1) -> Optional[ResidencyPlan]:
+    """The plan that streams the fewest bytes per step in ``free_bytes`` by streaming every block's tail: the
+    smallest ``streamed_tail_bytes`` cap whose footprint fits, or None when no cap does. ``tail_options``: per block,
+    the sizes its tail can have (``manager.tail_options()``, ascending, the whole block last).
+
+    Why every block and the smallest cap: each streamed byte frees a device byte, and the slots cost
+    ``prefetch_size + 1`` times the largest tail whichever blocks stream, so the bytes a budget leaves to stream
+    are spread over every block, as thin as the budget allows. Only a plan with at least one block's tail smaller
+    than the block is returned (else it is the whole-block plan :func:`plan_residency` gives)."""
+    sizes = [_check_bytes(f"block_bytes[{i}]", s) for i, s in enumerate(block_bytes)]
+    if len(tail_options) != len(sizes):
+        raise ValueError(f"tail_options has {len(tail_options)} blocks, block_bytes {len(sizes)}")
+    overhead = activation_bytes + reserve_bytes + non_block_bytes
+    room = free_bytes - overhead
+    n, total = len(sizes), sum(sizes)
+    slots = min(prefetch_size + 1, n)
+    for cap in sorted({t for options in tail_options for t in options}):
+        tails = [tail_within(options, cap) for options in tail_options]
+        if tails == sizes:
+            return None  # the caps from here on stream whole blocks
+        plan = footprint(sizes, (False,) * n, prefetch_size, tails)
+        if plan.total <= room:
+            need = plan.total + overhead
+            return ResidencyPlan(
+                num_blocks=n, resident_count=0, resident=(False,) * n, resident_bytes=0,
+                streamed_bytes=plan.streamed_bytes, slot_bytes=plan.slot_bytes, slot_count=plan.slot_count,
+                activation_bytes=activation_bytes, reserve_bytes=reserve_bytes, non_block_bytes=non_block_bytes,
+                free_bytes=free_bytes, required_bytes=need, headroom_bytes=free_bytes - need, fits=True,
+                policy="leading", prefetch_size=int(prefetch_size), head_bytes=plan.head_bytes, tail_cap=cap)
+    return None
 
 
 @dataclass(frozen=True)
@@ -200,9 +236,14 @@ def format_bytes(nbytes: int) -> str:
 
 def describe(plan: ResidencyPlan) -> str:
     """One log line for a plan."""
-    line = (f"[layerwise-offload] auto plan: {plan.resident_count}/{plan.num_blocks} blocks resident "
-            f"({format_bytes(plan.resident_bytes)}), {plan.streamed_count} streamed "
-            f"({format_bytes(plan.streamed_bytes)}), slots {format_bytes(plan.slot_bytes)}, ")
+    if plan.tail_cap:
+        line = (f"[layerwise-offload] auto plan: every block streams its tail (at most {format_bytes(plan.tail_cap)}; "
+                f"{format_bytes(plan.streamed_bytes)} a step), heads resident ({format_bytes(plan.head_bytes)}), "
+                f"slots {format_bytes(plan.slot_bytes)}, ")
+    else:
+        line = (f"[layerwise-offload] auto plan: {plan.resident_count}/{plan.num_blocks} blocks resident "
+                f"({format_bytes(plan.resident_bytes)}), {plan.streamed_count} streamed "
+                f"({format_bytes(plan.streamed_bytes)}), slots {format_bytes(plan.slot_bytes)}, ")
     if plan.fits:
         return line + f"headroom {format_bytes(plan.headroom_bytes)}"
     return line + (f"does not fit: short by {format_bytes(-plan.headroom_bytes)} even with every block streamed "

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, List, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 from .config import OffloadConfig
 
@@ -29,14 +30,16 @@ def choose_resident_blocks(num_blocks: int, resident_count: int, policy: str) ->
 
 @dataclass(frozen=True)
 class Footprint:
-    """What a residency plan holds on the device once armed: each resident block's own buffer, and a ring of
-    ``slot_count`` slots of ``slot_size`` (the largest streamed block) for the streamed ones. This is the figure
-    ComfyUI plans VRAM from (with the non-block weights), so it is computed here and nowhere else."""
+    """What a residency plan holds on the device once armed: each resident block's own buffer, each streamed
+    block's resident head (the part of it that does not stream, with streamed tails), and a ring of ``slot_count``
+    slots of ``slot_size`` (the largest streamed tail, or block) for the streamed ones. This is the figure ComfyUI
+    plans VRAM from (with the non-block weights), so it is computed here and nowhere else."""
 
     resident_bytes: int
     streamed_bytes: int
     slot_count: int
     slot_size: int
+    head_bytes: int = 0
 
     @property
     def slot_bytes(self) -> int:
@@ -44,16 +47,29 @@ class Footprint:
 
     @property
     def total(self) -> int:
-        return self.resident_bytes + self.slot_bytes
+        return self.resident_bytes + self.head_bytes + self.slot_bytes
 
 
-def footprint(sizes: Sequence[int], resident: Sequence[bool], prefetch_size: int) -> Footprint:
+def footprint(sizes: Sequence[int], resident: Sequence[bool], prefetch_size: int,
+              tails: Optional[Sequence[int]] = None) -> Footprint:
     """The device footprint of keeping ``resident`` blocks (of ``sizes`` bytes) with a prefetch window of
-    ``prefetch_size``: ``prefetch_size + 1`` slots (fewer when fewer blocks stream) of the largest streamed block."""
-    streamed = [size for size, keep in zip(sizes, resident) if not keep]
+    ``prefetch_size``: ``prefetch_size + 1`` slots (fewer when fewer blocks stream) of the largest streamed block.
+    ``tails``: per block, the bytes it streams when it streams (its tail; the rest of it stays on the device as its
+    head); None: whole blocks."""
+    tails = sizes if tails is None else tails
+    streamed = [tail for tail, keep in zip(tails, resident) if not keep]
     return Footprint(resident_bytes=sum(size for size, keep in zip(sizes, resident) if keep),
                      streamed_bytes=sum(streamed), slot_count=min(prefetch_size + 1, len(streamed)),
-                     slot_size=max(streamed, default=0))
+                     slot_size=max(streamed, default=0),
+                     head_bytes=sum(size - tail for size, tail, keep in zip(sizes, tails, resident) if not keep))
+
+
+def tail_within(options: Sequence[int], cap: int) -> int:
+    """The tail a block streams under a cap of ``cap`` bytes, from its possible tail sizes ``options`` (ascending,
+    the whole block last): the largest within the cap, at least the smallest; the whole block for ``cap <= 0``."""
+    if cap <= 0:
+        return options[-1]
+    return options[max(0, bisect.bisect_right(options, cap) - 1)]
 
 
 def largest_fitting(fits: Callable[[int], bool], start: int) -> int:
@@ -100,12 +116,12 @@ class Schedule:
             positions.append(k % len(streamed) if streamed else 0)
         return tuple(positions)
 
-    def footprint(self, sizes: Sequence[int], prefetch_size: int) -> Footprint:
+    def footprint(self, sizes: Sequence[int], prefetch_size: int, tails: Optional[Sequence[int]] = None) -> Footprint:
         """What the plan holds on the device once armed (:func:`footprint`)."""
-        return footprint(sizes, self.resident, prefetch_size)
+        return footprint(sizes, self.resident, prefetch_size, tails)
 
-    def device_bytes(self, sizes: Sequence[int], prefetch_size: int) -> int:
-        return self.footprint(sizes, prefetch_size).total
+    def device_bytes(self, sizes: Sequence[int], prefetch_size: int, tails: Optional[Sequence[int]] = None) -> int:
+        return self.footprint(sizes, prefetch_size, tails).total
 
     def upcoming_streamed(self, after_block: int, count: int) -> List[int]:
         """The next ``count`` streamed blocks after ``after_block``, wrapping into the next step."""

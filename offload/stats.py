@@ -21,7 +21,7 @@ class OffloadStats:
     materialized_blocks: int
     peak_materialized_blocks: int
     resident_bytes: int  # device bytes of the resident blocks' own buffers
-    device_bytes: int  # every device byte the manager holds now (residents + streaming slots)
+    device_bytes: int  # every device byte the manager holds now (residents + heads + streaming slots)
     peak_device_bytes: int
     planned_device_bytes: int  # what the current plan holds once armed
     host_bytes: int
@@ -42,6 +42,8 @@ class OffloadStats:
     block_tiers: Tuple[str, ...] = ()  # per block: "resident", or the host tier it streams from ("ram", "disk")
     slot_count: int = 0  # streaming slots the plan holds on the device
     asynchronous: bool = False  # copies overlap compute (a side stream), not the CPU loopback's synchronous copies
+    head_bytes: int = 0  # device bytes of the streamed blocks' resident heads (streamed_tail_bytes)
+    streamed_tail_bytes: int = 0  # the plan's tail cap (0: streamed blocks stream whole)
 
     @property
     def achieved_gbps(self) -> float:

@@ -23,6 +23,7 @@ class BlockStates:
         self._pending: List[Optional[object]] = [None] * self.num_blocks  # the copy compute has not waited for yet
         self._device_views: Dict[int, list] = {}  # what a materialized block's parameters view on the device
         self._hidden: set = set()
+        self.head_pending: Dict[int, object] = {}  # streamed block -> its head's copy, not waited for yet
 
     def materialized_blocks(self) -> List[int]:
         return [i for i, m in enumerate(self.materialized) if m]

@@ -20,8 +20,9 @@ import torch
 
 from .resident_copy import PinnedBounce, bounce_for
 
-# transform(block index, the block's weights on the device in ``BlockLayout.weights`` order); in place.
-BlockTransform = Callable[[int, Sequence[torch.Tensor]], None]
+# transform(block index, the block's weights on the device in ``BlockLayout.weights`` order); in place. A weight the
+# copy did not write is None: a streamed block's head is copied (and transformed) once, its tail at every copy.
+BlockTransform = Callable[[int, Sequence[Optional[torch.Tensor]]], None]
 
 
 class BlockCopier:
@@ -34,11 +35,14 @@ class BlockCopier:
         self.bounce_bytes: Optional[int] = None  # the ring's chunk size (None: resident_staging.CHUNK_BYTES)
 
     def copy(self, backend, index: int, device_buffer: torch.Tensor, host_buffer, after,
-             device_weights: Sequence[torch.Tensor], bounce_pinner=None):
+             device_weights: Sequence[torch.Tensor], bounce_pinner=None, written: Optional[Sequence[bool]] = None):
         """Queue the copy of block ``index`` after the compute mark ``after``, then the transform; returns the
         handle of its completion. ``host_buffer``: the host tensor, or a disk block's ``DiskSource`` (it stages
-        itself). ``bounce_pinner``: copy through a bounce ring page-locked by it (if it can)."""
+        itself). ``bounce_pinner``: copy through a bounce ring page-locked by it (if it can). ``written``: per weight,
+        whether this copy writes it (a part of the block: its head or its tail); None: all of them."""
         transform = self.transform
+        if transform is not None and written is not None:
+            device_weights = [w if k else None for w, k in zip(device_weights, written)]
 
         def apply_transform():
             with torch.no_grad():

@@ -1,4 +1,5 @@
-"""The plan's device memory: one buffer per resident block, and a ring of slots the streamed blocks share.
+"""The plan's device memory: one buffer per resident block, one per streamed block's head (with streamed tails),
+and a ring of slots the streamed blocks (or their tails) share.
 
 Each slot remembers which block it holds and the compute-stream mark after which it may be written again
 (the last compute that read its previous block). Everything is uint8; blocks view typed tensors into it.
@@ -24,6 +25,8 @@ class DeviceMemory:
         """Forget every buffer (the memory returns once no view of it is left)."""
         self.residents: Dict[int, torch.Tensor] = {}
         self._resident_bytes = 0  # kept as buffers come and go: the step reads it at every copy
+        self.heads: Dict[int, torch.Tensor] = {}  # streamed block -> its head's buffer (the bytes before its tail)
+        self._head_bytes = 0
         self.drop_ring()
 
     def drop_ring(self) -> None:
@@ -42,8 +45,10 @@ class DeviceMemory:
         with torch.inference_mode(self.inference):
             return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
-    def hold(self, residents: Iterable[Tuple[int, int]], slot_count: int, slot_bytes: int, mark) -> object:
-        """Allocate what the plan lacks: the buffers of the residents ((block, bytes) pairs) not held yet, and the
+    def hold(self, residents: Iterable[Tuple[int, int]], slot_count: int, slot_bytes: int, mark,
+             heads: Iterable[Tuple[int, int]] = ()) -> object:
+        """Allocate what the plan lacks: the buffers of the residents and of the streamed blocks' heads ((block,
+        bytes) pairs) not held yet, and the
         ring unless the one held has this geometry (a ring of another geometry must hold no block: it is dropped
         first). All of it is allocated before any is kept, so out of memory adds nothing. Fresh memory may have
         been freed by tensors that queued compute work still reads: returns ``mark()`` taken once all is
@@ -54,9 +59,12 @@ class DeviceMemory:
                 raise RuntimeError("[layerwise-offload] the slot ring is resized while a block holds a slot")
             self.drop_ring()
         fresh = {index: self.allocate(nbytes) for index, nbytes in residents if index not in self.residents}
+        fresh_heads = {index: self.allocate(nbytes) for index, nbytes in heads if index not in self.heads}
         slots = self.slots if keep_ring else [self.allocate(slot_bytes) for _ in range(slot_count)]
         self.residents.update(fresh)
         self._resident_bytes += sum(buffer.numel() for buffer in fresh.values())
+        self.heads.update(fresh_heads)
+        self._head_bytes += sum(buffer.numel() for buffer in fresh_heads.values())
         allocated = mark()
         if not keep_ring:
             self.slots = slots
@@ -79,6 +87,15 @@ class DeviceMemory:
         buffer = self.residents.pop(index, None)
         if buffer is not None:
             self._resident_bytes -= buffer.numel()
+
+    def head(self, index: int) -> Optional[torch.Tensor]:
+        return self.heads.get(index)
+
+    def drop_head(self, index: int) -> None:
+        """Free streamed block ``index``'s head (its split changed, or it left the streamed blocks)."""
+        buffer = self.heads.pop(index, None)
+        if buffer is not None:
+            self._head_bytes -= buffer.numel()
 
     def acquire(self, protect: Set[int], evict_protected: bool, running: Sequence[int],
                 release: Callable[[int], None]) -> Optional[int]:
@@ -114,5 +131,8 @@ class DeviceMemory:
     def resident_bytes(self) -> int:
         return self._resident_bytes
 
+    def head_bytes(self) -> int:
+        return self._head_bytes
+
     def nbytes(self) -> int:
-        return self._resident_bytes + self._slot_bytes
+        return self._resident_bytes + self._head_bytes + self._slot_bytes

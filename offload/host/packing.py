@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 import mmap
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from ..memory.pinning import Pinner, PinLedger
+from ..schedule import tail_within
 from ..weights import RebuildFn, weight_parts
 
 log = logging.getLogger("layerwise_offload")
@@ -62,19 +64,65 @@ class BlockLayout:
     def has_subclass_weights(self) -> bool:
         return any(weight.rebuild is not None for weight in self.weights)
 
-    def views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
-        """Typed, strided views of every entry inside ``buffer`` (a uint8 tensor)."""
+    def views(self, buffer: torch.Tensor, tail: Optional[torch.Tensor] = None, split: int = 0) -> List[torch.Tensor]:
+        """Typed, strided views of every entry inside ``buffer`` (a uint8 tensor); with ``tail``, the entries from
+        byte ``split`` on view ``tail`` instead (its first byte is the block's byte ``split``: a streamed block's
+        tail, copied into a slot, while the entries before stay in its resident head)."""
         views = []
         for entry in self.entries:
             nbytes = entry.span_elements * _itemsize(entry.dtype)
-            typed = buffer.narrow(0, entry.offset, nbytes).view(entry.dtype)
+            if tail is not None and entry.offset >= split:
+                typed = tail.narrow(0, entry.offset - split, nbytes).view(entry.dtype)
+            else:
+                typed = buffer.narrow(0, entry.offset, nbytes).view(entry.dtype)
             views.append(typed.as_strided(entry.shape, entry.stride))
         return views
 
-    def weight_views(self, buffer: torch.Tensor) -> List[torch.Tensor]:
-        """What each parameter (``weights`` order) should hold to live in ``buffer``: a plain view, or its
-        subclass rebuilt over the views of its parts."""
-        return self.weights_from(self.views(buffer))
+    @cached_property
+    def tail_sizes(self) -> Tuple[int, ...]:
+        """The sizes the block's streamed tail can have, ascending, the whole block last: the buffer's suffixes
+        that begin at an entry and leave no weight with parts on both sides (a weight is patched and rebuilt
+        whole). Its entries keep their 256-byte alignment inside a tail buffer, as in the whole one."""
+        first_part = [min(weight.parts) for weight in self.weights]
+        last_part = [max(weight.parts) for weight in self.weights]
+        starts = []
+        for k, entry in enumerate(self.entries):
+            if k and not any(first < k <= last for first, last in zip(first_part, last_part)):
+                starts.append(entry.offset)
+        return tuple(sorted({self.nbytes - start for start in starts} | {self.nbytes}))
+
+    def tail_bytes(self, cap: int) -> int:
+        """The tail a streamed block streams under a cap of ``cap`` bytes (0: the whole block): the largest
+        :attr:`tail_sizes` within it, at least the smallest one."""
+        return tail_within(self.tail_sizes, cap)
+
+    def head_weight_views(self, head: torch.Tensor, split: int) -> List[Optional[torch.Tensor]]:
+        """The weights (``weights`` order) whose bytes lie before byte ``split``, viewed in ``head``; None for
+        the others (the tail's)."""
+        in_tail = self.weights_in_tail(split)
+        weights = []
+        for weight, tail in zip(self.weights, in_tail):
+            if tail:
+                weights.append(None)
+                continue
+            views = {}
+            for i in weight.parts:
+                entry = self.entries[i]
+                typed = head.narrow(0, entry.offset, entry.span_elements * _itemsize(entry.dtype)).view(entry.dtype)
+                views[i] = typed.as_strided(entry.shape, entry.stride)
+            weights.append(views[weight.parts[0]] if weight.rebuild is None
+                           else weight.rebuild({self.entries[i].part: views[i] for i in weight.parts}))
+        return weights
+
+    def weights_in_tail(self, split: int) -> Tuple[bool, ...]:
+        """Per weight (``weights`` order), whether its bytes lie from byte ``split`` on."""
+        return tuple(self.entries[weight.parts[0]].offset >= split for weight in self.weights)
+
+    def weight_views(self, buffer: torch.Tensor, tail: Optional[torch.Tensor] = None,
+                     split: int = 0) -> List[torch.Tensor]:
+        """What each parameter (``weights`` order) should hold to live in ``buffer`` (and ``tail`` from byte
+        ``split`` on, see :meth:`views`): a plain view, or its subclass rebuilt over the views of its parts."""
+        return self.weights_from(self.views(buffer, tail, split))
 
     def weights_from(self, views: Sequence[torch.Tensor]) -> List[torch.Tensor]:
         weights = []

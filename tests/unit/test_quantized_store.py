@@ -91,6 +91,30 @@ def subclass_state(model):
     return out
 
 
+def test_streamed_tails_never_split_a_quantized_weight_and_stay_bitwise(x, want):
+    """A wrapper weight's data and scale sit in different dtype groups of the buffer: a tail begins only where no
+    weight has parts on both sides, and the subclass is rebuilt over its head and tail views."""
+    model = quantized_toy()
+    layout = plan_layout(block_parameters(model.blocks_in_call_order()[0]))
+    assert any(len(w.parts) > 1 for w in layout.weights)
+    for size in layout.tail_sizes[:-1]:
+        split = layout.nbytes - size
+        for weight in layout.weights:
+            assert len({layout.entries[i].offset >= split for i in weight.parts}) == 1
+    caps = sorted({size for size in layout.tail_sizes[:-1]})
+    assert caps  # some split exists (the plain and the storage-subclass weights)
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2,
+                                      prefetch_size=1, streamed_tail_bytes=caps[-1])
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), want)
+    assert subclass_state(model) == [[(ScaledInt8, "per-row", TaggedBytes, "gate")]] * 7
+    assert manager.stats().head_bytes > 0
+    manager.detach()
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+
+
 @pytest.mark.parametrize("resident", [0, 2, 7])
 def test_subclass_weights_stream_bitwise_and_keep_their_type(x, want, resident):
     model = quantized_toy()

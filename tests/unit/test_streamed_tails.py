@@ -1,0 +1,168 @@
+"""Streamed tails (``streamed_tail_bytes``): a streamed block keeps its head on the device and streams only its
+tail, on the CPU loopback. Bitwise against the model alone, the footprint the planner computes is what is held,
+only the tails move at each step, a transform patches every weight exactly once, replans move only what changed."""
+
+import pytest
+import torch
+
+from layerwise_offload.devtools.toy_transformer import ToyTransformer
+from layerwise_offload.offload import (HostEnvironment, LayerwiseOffloadManager, apply_layerwise_offload, footprint,
+                                       plan_residency, plan_streamed_tails)
+from layerwise_offload.offload.host.packing import plan_layout, block_parameters
+from layerwise_offload.offload.schedule import tail_within
+
+NUM_BLOCKS = 7
+
+
+@pytest.fixture(scope="module")
+def sample_input():
+    return torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
+
+
+def reference_output(x):
+    with torch.no_grad():
+        return ToyTransformer()(x)
+
+
+def offloaded(**settings):
+    model = ToyTransformer()
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, **settings)
+    return model, manager
+
+
+def layouts():
+    return [plan_layout(block_parameters(b)) for b in ToyTransformer().blocks_in_call_order()]
+
+
+def test_tail_sizes_begin_at_entries_and_end_with_the_whole_block():
+    for layout in layouts():
+        sizes = layout.tail_sizes
+        assert sizes == tuple(sorted(sizes)) and sizes[-1] == layout.nbytes
+        starts = {entry.offset for entry in layout.entries}
+        assert all(layout.nbytes - size in starts for size in sizes)
+        assert len(sizes) == len(layout.entries)  # plain weights: every entry can begin the tail
+        assert layout.tail_bytes(0) == layout.nbytes
+        assert layout.tail_bytes(1) == sizes[0]  # below the smallest tail: still the last weight
+        for size in sizes:
+            assert layout.tail_bytes(size) == size and layout.tail_bytes(size + 1) == size
+            assert tail_within(sizes, size) == size
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("resident", [0, 2, 5])
+@pytest.mark.parametrize("policy", ["leading", "strided"])
+@pytest.mark.parametrize("cap_index", [0, 2, 4])
+def test_output_is_bitwise_identical_and_only_tails_move(sample_input, resident, prefetch, policy, cap_index):
+    cap = sorted({s for layout in layouts() for s in layout.tail_sizes})[cap_index]
+    want = reference_output(sample_input)
+    model, manager = offloaded(resident_layers=resident, prefetch_size=prefetch, policy=policy,
+                               streamed_tail_bytes=cap)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(model(sample_input), want)
+    sizes, tails = manager.block_nbytes(), manager.block_tails()
+    schedule = manager.schedule
+    plan = footprint(sizes, schedule.resident, prefetch, tails)
+    assert manager.device_bytes() == manager.planned_device_bytes() == plan.total
+    stats = manager.stats()
+    assert stats.head_bytes == plan.head_bytes == sum(sizes[i] - tails[i] for i in schedule.streamed_blocks) > 0
+    streamed_copies = 1 if NUM_BLOCKS - resident > prefetch else 0
+    assert stats.bytes_copied_last_forward == streamed_copies * sum(tails[i] for i in schedule.streamed_blocks)
+    manager.release_all()
+    assert manager.device_bytes() == 0 and not manager.device_memory.heads
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), want)
+
+
+def test_a_transform_patches_each_weight_once(sample_input):
+    """A transform that is not idempotent (adds one) run on the head at arming and on the tail at each copy gives
+    the same output as the same transform on whole blocks."""
+    def add_one(index, weights):
+        for weight in weights:
+            if weight is not None:
+                weight.add_(1.0)
+
+    outputs = []
+    for cap in (0, sorted(layouts()[0].tail_sizes)[2]):
+        model, manager = offloaded(resident_layers=1, prefetch_size=1, streamed_tail_bytes=cap)
+        manager.set_after_copy(add_one)
+        with torch.no_grad():
+            outputs.append([model(sample_input) for _ in range(3)])
+        manager.detach()
+    for whole, split in zip(*outputs):
+        assert torch.equal(whole, split)
+    assert not torch.equal(outputs[0][0], reference_output(sample_input))
+
+
+def test_a_residency_change_moves_only_the_blocks_it_changes(sample_input):
+    want = reference_output(sample_input)
+    cap = sorted(layouts()[0].tail_sizes)[2]
+    model, manager = offloaded(resident_layers=2, streamed_tail_bytes=cap)
+    with torch.no_grad():
+        model(sample_input)
+        heads = dict(manager.device_memory.heads)
+        copies = list(manager.counters.copies_per_block)
+        manager.replan(resident_layers=3)  # block 2 joins the residents: its head goes, no other head moves
+        model(sample_input)
+        assert torch.equal(model(sample_input), want)
+    kept = manager.device_memory.heads
+    assert set(kept) == set(heads) - {2}
+    assert all(kept[i] is heads[i] for i in kept)
+    moved = [after - before for after, before in zip(manager.counters.copies_per_block, copies)]
+    assert moved[0] == moved[1] == 0 and moved[2] == 1  # the residents stay; block 2 copied once, whole
+
+    bigger = sorted(layouts()[0].tail_sizes)[4]
+    manager.replan(streamed_tail_bytes=bigger)  # every split moves: the heads are copied again, once
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), want)
+        assert torch.equal(model(sample_input), want)
+    assert manager.device_bytes() == manager.planned_device_bytes()
+    manager.replan(streamed_tail_bytes=0)  # whole blocks again: no head left
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), want)
+    assert not manager.device_memory.heads and manager.device_bytes() == manager.planned_device_bytes()
+
+
+def test_planner_streams_the_fewest_bytes_that_fit():
+    sizes = [layout.nbytes for layout in layouts()]
+    options = [layout.tail_sizes for layout in layouts()]
+    total = sum(sizes)
+    for fraction in (0.4, 0.6, 0.8, 0.95):
+        free = int(total * fraction)
+        whole = max((plan_residency(sizes, free, policy=p) for p in ("leading", "strided")),
+                    key=lambda plan: plan.resident_bytes)
+        split = plan_streamed_tails(sizes, options, free)
+        if split is None:
+            continue
+        assert split.fits and split.device_bytes <= free and split.tail_cap > 0
+        tails = [tail_within(o, split.tail_cap) for o in options]
+        assert footprint(sizes, (False,) * len(sizes), 1, tails).total == split.device_bytes
+        assert split.streamed_bytes <= whole.streamed_bytes
+        # the smallest cap: one option less no longer fits
+        smaller = [c for c in sorted({t for o in options for t in o}) if c < split.tail_cap]
+        for cap in smaller:
+            tails = [tail_within(o, cap) for o in options]
+            assert footprint(sizes, (False,) * len(sizes), 1, tails).total > free
+
+
+def test_a_block_on_disk_streams_whole(tmp_path, sample_input):
+    """The disk tier reads whole blocks: a block on disk has no head, its tail is the block."""
+    want = reference_output(sample_input)
+    model = ToyTransformer()
+    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=0, prefetch_size=1,
+                                      host_store="disk", streamed_tail_bytes=1, environment=HostEnvironment(
+                                          disk_folder=str(tmp_path), available_host_bytes=lambda: 2**40))
+    manager.attach(model)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(sample_input), want)
+    assert manager.stats().disk_blocks == NUM_BLOCKS
+    assert manager.block_tails() == manager.block_nbytes() and not manager.device_memory.heads
+    manager.detach()
+
+
+def test_streamed_tail_bytes_is_checked():
+    with pytest.raises(ValueError, match="streamed_tail_bytes must be an integer >= 0"):
+        offloaded(streamed_tail_bytes=-1)
+    with pytest.raises(ValueError, match="streamed_tail_bytes"):
+        offloaded(streamed_tail_bytes=1.5)
