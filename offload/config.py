@@ -6,7 +6,7 @@ import logging
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 log = logging.getLogger("layerwise_offload")
 
@@ -52,7 +52,8 @@ class OffloadConfig:
     streamed_tail_bytes: 0 streams each streamed block whole. N > 0 keeps each streamed block's leading weights on
         the device (its head, copied once, like a resident) and streams only its last weights, at most N bytes (at
         least its last weight): the slots shrink to the largest tail, so a VRAM budget streams fewer bytes per step
-        than whole blocks could (auto sizes it, see planner.smallest_tail_cap). A block on disk streams whole.
+        than whole blocks could. A tuple gives each block its own cap, in call order (auto plans one, see
+        planner.plan_streamed_tails). A block on disk streams whole.
     """
 
     resident_layers: ResidentLayers = 0
@@ -62,7 +63,7 @@ class OffloadConfig:
     measure_time: bool = True
     released_params: str = "placeholder"
     host_store: str = "ram"
-    streamed_tail_bytes: int = 0
+    streamed_tail_bytes: Union[int, Tuple[int, ...]] = 0
 
     def __post_init__(self):
         _check_resident_layers(self.resident_layers)
@@ -78,10 +79,14 @@ class OffloadConfig:
                              f"got {self.released_params!r}")
         if self.host_store not in HOST_STORES:
             raise ValueError(f"host_store must be one of {', '.join(HOST_STORES)}, got {self.host_store!r}")
-        if (isinstance(self.streamed_tail_bytes, bool) or not isinstance(self.streamed_tail_bytes, numbers.Integral)
-                or self.streamed_tail_bytes < 0):
-            raise ValueError(f"streamed_tail_bytes must be an integer >= 0 (0 streams whole blocks), "
-                             f"got {self.streamed_tail_bytes!r}")
+        caps = self.streamed_tail_bytes
+        if isinstance(caps, list):
+            caps = tuple(caps)
+            object.__setattr__(self, "streamed_tail_bytes", caps)
+        if not all(isinstance(c, numbers.Integral) and not isinstance(c, bool) and c >= 0
+                   for c in (caps if isinstance(caps, tuple) else (caps,))):
+            raise ValueError(f"streamed_tail_bytes must be an integer >= 0 (0 streams whole blocks) or a tuple of "
+                             f"them, one per block, got {self.streamed_tail_bytes!r}")
         if self.pin_memory not in (None, True, False):
             raise ValueError(f"pin_memory must be True, False or None (automatic), got {self.pin_memory!r}")
 
@@ -102,3 +107,13 @@ class OffloadConfig:
                      self.resident_layers, num_blocks, num_blocks)
             return num_blocks
         return count
+
+    def tail_caps(self, num_blocks: int) -> Optional[Tuple[int, ...]]:
+        """``streamed_tail_bytes`` as one cap per block (None: every streamed block streams whole)."""
+        caps = self.streamed_tail_bytes
+        if isinstance(caps, tuple):
+            if len(caps) != num_blocks:
+                raise ValueError(f"streamed_tail_bytes has {len(caps)} caps for {num_blocks} blocks; give one per "
+                                 f"block, in call order, or one number for all")
+            return caps if any(caps) else None
+        return (int(caps),) * num_blocks if caps else None

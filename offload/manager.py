@@ -68,6 +68,7 @@ class LayerwiseOffloadManager:
         self.device = normalize_device(torch.device(device))
         self.host_device = torch.device("cpu")
         self.config: OffloadConfig = dataclasses.replace(config or OffloadConfig(), **overrides)
+        self.config.tail_caps(len(self.blocks))  # one cap per block, or one for all
         # Read through a weak reference: no part may point back at the manager, which ComfyUI frees by reference
         # count alone (tests/unit/test_host_side.py).
         this = weakref.ref(self)
@@ -136,12 +137,12 @@ class LayerwiseOffloadManager:
     def block_tails(self, config: Optional[OffloadConfig] = None) -> Optional[List[int]]:
         """Per block, the bytes it streams when it streams under ``config`` (the manager's by default): its tail
         under ``streamed_tail_bytes``; None where every streamed block streams whole."""
-        cap = (config or self.config).streamed_tail_bytes
-        if cap <= 0:
+        caps = (config or self.config).tail_caps(self.num_blocks)
+        if caps is None:
             return None
         layouts = self.store.layouts if self.store is not None else [plan_layout(named) for named in self.params.named]
         return [layout.tail_bytes(cap) if tier == "ram" else layout.nbytes
-                for layout, tier in zip(layouts, self.host.tiers())]
+                for layout, tier, cap in zip(layouts, self.host.tiers(), caps)]
 
     def planned_device_bytes(self, schedule: Optional[Schedule] = None) -> int:
         """The device bytes the plan holds once armed: resident buffers, streamed blocks' heads, streaming slots."""
@@ -422,6 +423,7 @@ class LayerwiseOffloadManager:
         asked for inside a forward (after that forward).
         """
         config = dataclasses.replace(self.config, **changes)
+        config.tail_caps(self.num_blocks)
         changed = {f.name for f in dataclasses.fields(config) if getattr(config, f.name) != getattr(self.config, f.name)}
         if changed <= self.RESIDENCY_SETTINGS and not self.calls.in_forward:
             self._keep_what_stays(config)

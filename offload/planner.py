@@ -60,7 +60,7 @@ class ResidencyPlan:
     policy: str
     prefetch_size: int
     head_bytes: int = 0  # the streamed blocks' heads (with streamed tails)
-    tail_cap: int = 0  # streamed_tail_bytes: 0 streams whole blocks
+    tails: Tuple[int, ...] = ()  # per block, the bytes it streams (its tail); (): whole blocks
 
     @property
     def streamed_count(self) -> int:
@@ -133,15 +133,18 @@ def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes
 
 def plan_streamed_tails(block_bytes: Sequence[int], tail_options: Sequence[Sequence[int]], free_bytes: int, *,
                         reserve_bytes: int = 0, activation_bytes: int = 0, non_block_bytes: int = 0,
-                        prefetch_size: int = 1) -> Optional[ResidencyPlan]:
-    """The plan that streams the fewest bytes per step in ``free_bytes`` by streaming every block's tail: the
-    smallest ``streamed_tail_bytes`` cap whose footprint fits, or None when no cap does. ``tail_options``: per block,
-    the sizes its tail can have (``manager.tail_options()``, ascending, the whole block last).
+                        prefetch_size: int = 1, tries: int = 8) -> Optional[ResidencyPlan]:
+    """A plan that streams every block's tail and as few bytes per step as fit ``free_bytes``; None when none of
+    its kind fits, or none streams less than a whole block somewhere. ``tail_options``: per block, the sizes its
+    tail can have (``manager.tail_options()``, ascending, the whole block last). Its ``tails`` go to the manager as
+    ``streamed_tail_bytes``.
 
-    Why every block and the smallest cap: each streamed byte frees a device byte, and the slots cost
-    ``prefetch_size + 1`` times the largest tail whichever blocks stream, so the bytes a budget leaves to stream
-    are spread over every block, as thin as the budget allows. Only a plan with at least one block's tail smaller
-    than the block is returned (else it is the whole-block plan :func:`plan_residency` gives)."""
+    The device holds every block but its tail, plus ``prefetch_size + 1`` slots of the largest tail ``M``: it fits
+    when the tails sum to at least ``D(M) = blocks + slots(M) - room``. For each ``M`` (from the smallest that can
+    fit, ``tries`` of them), every block starts at its largest tail within ``M``; then, the blocks that could give
+    the most first, each tail is lowered to its smallest option the excess over ``D(M)`` still covers. The plan that
+    streams the fewest bytes wins. Spreading the streamed bytes over every block keeps the slots (paid
+    ``prefetch_size + 1`` times) as small as the budget allows."""
     sizes = [_check_bytes(f"block_bytes[{i}]", s) for i, s in enumerate(block_bytes)]
     if len(tail_options) != len(sizes):
         raise ValueError(f"tail_options has {len(tail_options)} blocks, block_bytes {len(sizes)}")
@@ -149,20 +152,34 @@ def plan_streamed_tails(block_bytes: Sequence[int], tail_options: Sequence[Seque
     room = free_bytes - overhead
     n, total = len(sizes), sum(sizes)
     slots = min(prefetch_size + 1, n)
-    for cap in sorted({t for options in tail_options for t in options}):
-        tails = [tail_within(options, cap) for options in tail_options]
-        if tails == sizes:
-            return None  # the caps from here on stream whole blocks
+    best = None
+    left = tries
+    for largest in sorted({t for options in tail_options for t in options}):
+        tails = [tail_within(options, largest) for options in tail_options]
+        need = total + slots * max(tails) - room  # the tails must sum to this much at least
+        excess = sum(tails) - need
+        if excess < 0:
+            continue
+        for i in sorted(range(n), key=lambda i: tails[i] - tail_options[i][0], reverse=True):
+            lower = next(t for t in tail_options[i] if tails[i] - t <= excess)
+            excess -= tails[i] - lower
+            tails[i] = lower
         plan = footprint(sizes, (False,) * n, prefetch_size, tails)
-        if plan.total <= room:
-            need = plan.total + overhead
-            return ResidencyPlan(
-                num_blocks=n, resident_count=0, resident=(False,) * n, resident_bytes=0,
-                streamed_bytes=plan.streamed_bytes, slot_bytes=plan.slot_bytes, slot_count=plan.slot_count,
-                activation_bytes=activation_bytes, reserve_bytes=reserve_bytes, non_block_bytes=non_block_bytes,
-                free_bytes=free_bytes, required_bytes=need, headroom_bytes=free_bytes - need, fits=True,
-                policy="leading", prefetch_size=int(prefetch_size), head_bytes=plan.head_bytes, tail_cap=cap)
-    return None
+        if plan.total <= room and (best is None or plan.streamed_bytes < best[0].streamed_bytes):
+            best = (plan, tails)
+        left -= 1
+        if left == 0:
+            break
+    if best is None or best[1] == sizes:
+        return None
+    plan, tails = best
+    need = plan.total + overhead
+    return ResidencyPlan(
+        num_blocks=n, resident_count=0, resident=(False,) * n, resident_bytes=0, streamed_bytes=plan.streamed_bytes,
+        slot_bytes=plan.slot_bytes, slot_count=plan.slot_count, activation_bytes=activation_bytes,
+        reserve_bytes=reserve_bytes, non_block_bytes=non_block_bytes, free_bytes=free_bytes, required_bytes=need,
+        headroom_bytes=free_bytes - need, fits=True, policy="leading", prefetch_size=int(prefetch_size),
+        head_bytes=plan.head_bytes, tails=tuple(tails))
 
 
 @dataclass(frozen=True)
@@ -236,9 +253,9 @@ def format_bytes(nbytes: int) -> str:
 
 def describe(plan: ResidencyPlan) -> str:
     """One log line for a plan."""
-    if plan.tail_cap:
-        line = (f"[layerwise-offload] auto plan: every block streams its tail (at most {format_bytes(plan.tail_cap)}; "
-                f"{format_bytes(plan.streamed_bytes)} a step), heads resident ({format_bytes(plan.head_bytes)}), "
+    if plan.tails:
+        line = (f"[layerwise-offload] auto plan: every block streams its tail ({format_bytes(plan.streamed_bytes)} a "
+                f"step, at most {format_bytes(max(plan.tails))} a block), heads resident ({format_bytes(plan.head_bytes)}), "
                 f"slots {format_bytes(plan.slot_bytes)}, ")
     else:
         line = (f"[layerwise-offload] auto plan: {plan.resident_count}/{plan.num_blocks} blocks resident "
