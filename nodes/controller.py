@@ -23,8 +23,8 @@ import comfy.patcher_extension
 
 from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, available_host_bytes, block_parameters,
                        block_width, choose_resident_blocks, cuda_graph_refusal, describe, format_bytes,
-                       forward_activation_bytes, largest_fitting, normalize_device, plan_residency, point_param_at,
-                       return_freed_host_memory, weight_nbytes)
+                       forward_activation_bytes, largest_fitting, normalize_device, plan_residency, plan_streamed_tails,
+                       point_param_at, return_freed_host_memory, streamed_tails_plan, weight_nbytes)
 from ..offload import SETTINGS, block_flops, choose_plan, gpu_for, model_costs
 from .advice import activation_words, recommend
 from .device_support import device_support
@@ -185,7 +185,7 @@ class OffloadController:
         """Device bytes of this output's plan with ``resident_count`` residents (the manager untouched)."""
         sizes = self.manager.block_nbytes()
         schedule = Schedule(choose_resident_blocks(len(sizes), resident_count, self.config.policy))
-        return schedule.device_bytes(sizes, self.config.prefetch_size)
+        return schedule.device_bytes(sizes, self.config.prefetch_size, self.manager.block_tails(self.config))
 
     def planned_footprint(self) -> int:
         """What ComfyUI is told this model needs on the device (``model_size()``)."""
@@ -372,6 +372,17 @@ class OffloadController:
         if self.auto:
             candidates = [(policy, prefetch, plan.resident_count) for (policy, prefetch), plan in plans.items()
                           if plan.fits]
+            if gpu is not None and not all(plan.resident_count == len(sizes) for plan in plans.values()):
+                # Streamed tails, where the timing model can weigh them against whole blocks: every block keeps its
+                # head and streams a tail, the fewest bytes per step this budget allows.
+                options = self.manager.tail_options()
+                for prefetch in sorted({prefetch for _, prefetch in settings}):
+                    plan = plan_streamed_tails(sizes, options, free, reserve_bytes=reserve,
+                                               activation_bytes=activations.nbytes + self.device_lora_scratch,
+                                               prefetch_size=prefetch)
+                    if plan is not None:
+                        plans[("tails", prefetch)] = plan
+                        candidates.append(("leading", prefetch, 0, plan.tails))
         else:
             count = self._effective_config().resident_count(len(sizes))
             budget = free - reserve - activations.nbytes - self.device_lora_scratch
@@ -385,23 +396,27 @@ class OffloadController:
             costs = model_costs(blocks, sizes, [block_flops(b, activations.tokens, x.shape[0]) for b in blocks],
                                 self._compute_dtype_bytes(x), self._device_lora_weights())
             choice = choose_plan(costs, gpu, candidates)
-            chosen = (choice.policy, choice.prefetch, choice.resident_count)
+            chosen = (choice.policy, choice.prefetch, choice.resident_count, choice.tails)
             if chosen != self.last_choice:
-                log.info("[layerwise-offload] %s: %s, prefetch %d, %d resident predicted %.2fx the bound "
+                what = (f"tails streamed ({format_bytes(sum(choice.tails))} a step)" if choice.tails
+                        else f"{choice.policy}, {choice.resident_count} resident")
+                log.info("[layerwise-offload] %s: %s, prefetch %d predicted %.2fx the bound "
                          "(max(compute, streamed bytes / H2D)) on %s", "auto" if self.auto else "residency_policy auto",
-                         choice.policy, choice.prefetch, choice.resident_count, choice.prediction.ratio, gpu.name)
+                         what, choice.prefetch, choice.prediction.ratio, gpu.name)
         elif len(candidates) == 1:
             chosen = candidates[0]
         self.last_choice = chosen
-        policy, prefetch, count = chosen
+        policy, prefetch, count, *tails = chosen
         changes = dict(policy=policy, prefetch_size=prefetch)
         if self.auto:
-            plan = self._held_if_close(plans[(policy, prefetch)], plan_for)
+            plan = plans[("tails", prefetch)] if tails and tails[0] else plans[(policy, prefetch)]
+            plan = self._held_if_close(plan, plan_for)
             if plan != self.last_plan:
                 log.info("%s; activations %s (%s, %d tokens x %d)", describe(plan), format_bytes(activations.nbytes),
                          activation_words(activations.source), activations.tokens, x.shape[0])
             self.last_plan = plan
             changes["resident_layers"] = plan.resident_count
+            changes["streamed_tail_bytes"] = plan.tails or 0
         self.last_activations = activations
         self.config = dataclasses.replace(self.config, **changes)
 
@@ -414,6 +429,8 @@ class OffloadController:
         step, seconds on a GPU. A plan that grows by more moves, and one that no longer fits always shrinks (the new
         count is the largest that fits, so a smaller one means the held count does not)."""
         manager = self.manager
+        if plan.tails:
+            return self._held_tails_if_close(plan)
         held = manager.resident_count()
         if (manager.device_bytes() == 0 or (manager.config.policy, manager.config.prefetch_size)
                 != (plan.policy, plan.prefetch_size) or not held < plan.resident_count <= held + AUTO_GROW_HYSTERESIS):
@@ -426,6 +443,26 @@ class OffloadController:
                      "not worth a replan)", held, plan.resident_count, plan.resident_count - held,
                      "" if plan.resident_count - held == 1 else "s")
         self._last_close_plan = plan.resident_count
+        return kept
+
+    def _held_tails_if_close(self, plan):
+        """The hysteresis for streamed tails: the tails the manager holds when they still fit and stream at most one
+        block's bytes more than the new plan's (the heads that would move are worth more than that)."""
+        manager = self.manager
+        held = manager.config.streamed_tail_bytes
+        if (manager.device_bytes() == 0 or not isinstance(held, tuple) or manager.config.resident_layers != 0
+                or manager.config.prefetch_size != plan.prefetch_size):
+            return plan
+        sizes = manager.block_nbytes()
+        kept = streamed_tails_plan(sizes, manager.block_tails(), plan.free_bytes, reserve_bytes=plan.reserve_bytes,
+                                   activation_bytes=plan.activation_bytes, non_block_bytes=plan.non_block_bytes,
+                                   prefetch_size=plan.prefetch_size)
+        if not kept.fits or kept.streamed_bytes - plan.streamed_bytes > max(sizes):
+            return plan
+        if kept.tails != plan.tails and kept.tails != self._last_close_plan:
+            log.info("[layerwise-offload] auto: keeping the streamed tails held (%s a step; %s would fit: not worth "
+                     "moving heads)", format_bytes(kept.streamed_bytes), format_bytes(plan.streamed_bytes))
+        self._last_close_plan = kept.tails
         return kept
 
     def _device_lora_weights(self) -> Optional[List[int]]:

@@ -16,7 +16,7 @@ from .host.packing import block_parameters
 from .manager import LayerwiseOffloadManager
 from .memory.pinning import clear_cuda_error, return_freed_host_memory
 from .planner import (ResidencyPlan, describe, estimate_activation_bytes, format_bytes, forward_activation_bytes,
-                      plan_residency, plan_streamed_tails)
+                      plan_residency, plan_streamed_tails, streamed_tails_plan)
 from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
 from .stats import OffloadStats
 from .weights import point_param_at, weight_nbytes, weight_parts
@@ -63,6 +63,7 @@ __all__ = [
     "normalize_device",
     "plan_residency",
     "plan_streamed_tails",
+    "streamed_tails_plan",
     "point_param_at",
     "remove_stale_files",
     "return_freed_host_memory",

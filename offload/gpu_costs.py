@@ -87,6 +87,7 @@ class ModelCosts:
     outside_flops: FLOPs of the forward outside the blocks (embedders, final layer).
     cast_bytes: per block, device-memory bytes its per-forward weight casts or dequantisation move (0 for bf16).
     lora_bytes: per block, device-memory bytes of the LoRA math an after-copy transform does (None: no LoRA).
+    tail_bytes: per block, the bytes a streamed copy of it moves (its tail, with streamed tails; None: the block).
     host_s_per_streamed_block, launch_s_per_block: host costs (see the module docstring).
     """
 
@@ -95,13 +96,14 @@ class ModelCosts:
     outside_flops: float = 0.0
     cast_bytes: Optional[Tuple[int, ...]] = None
     lora_bytes: Optional[Tuple[int, ...]] = None
+    tail_bytes: Optional[Tuple[int, ...]] = None
     host_s_per_streamed_block: float = HOST_S_PER_STREAMED_BLOCK
     launch_s_per_block: float = LAUNCH_S_PER_BLOCK
 
     def __post_init__(self):
         if len(self.block_bytes) != len(self.block_flops):
             raise ValueError(f"block_bytes has {len(self.block_bytes)} blocks, block_flops {len(self.block_flops)}")
-        for name in ("cast_bytes", "lora_bytes"):
+        for name in ("cast_bytes", "lora_bytes", "tail_bytes"):
             value = getattr(self, name)
             if value is not None and len(value) != len(self.block_bytes):
                 raise ValueError(f"{name} has {len(value)} blocks, block_bytes {len(self.block_bytes)}")
@@ -109,6 +111,11 @@ class ModelCosts:
     @property
     def num_blocks(self) -> int:
         return len(self.block_bytes)
+
+    @property
+    def streamed_copy_bytes(self) -> Tuple[int, ...]:
+        """Per block, the bytes one streamed copy of it moves."""
+        return self.tail_bytes if self.tail_bytes is not None else self.block_bytes
 
     def block_seconds(self, gpu: GpuSpec) -> List[float]:
         cast = self.cast_bytes or (0,) * self.num_blocks
@@ -120,7 +127,7 @@ class ModelCosts:
 
 def bound_seconds(costs: ModelCosts, gpu: GpuSpec, resident: Sequence[bool]) -> float:
     """DESIGN.md section 6: ``max(compute, streamed bytes / H2D)`` for one step."""
-    streamed = sum(b for b, keep in zip(costs.block_bytes, resident) if not keep)
+    streamed = sum(b for b, keep in zip(costs.streamed_copy_bytes, resident) if not keep)
     return max(costs.compute_seconds(gpu), streamed / gpu.h2d_bytes_per_s)
 
 

@@ -82,6 +82,7 @@ class LayerwiseOffloadManager:
         self.counters = Counters(self.num_blocks)
         self.states = BlockStates(self.num_blocks)
         self.schedule: Optional[Schedule] = None
+        self._planning_tiers = False
         self._reset_device_state()
         self._release_after_forward = False
 
@@ -130,9 +131,23 @@ class LayerwiseOffloadManager:
     def tail_options(self) -> List[tuple]:
         """Per block, the sizes its streamed tail can have, ascending, the whole block last (``BlockLayout.tail_sizes``);
         a block on disk streams whole (its reads are of whole blocks)."""
-        layouts = self.store.layouts if self.store is not None else [plan_layout(named) for named in self.params.named]
-        tiers = self.host.tiers()
-        return [layout.tail_sizes if tier == "ram" else (layout.nbytes,) for layout, tier in zip(layouts, tiers)]
+        return [layout.tail_sizes if in_ram else (layout.nbytes,)
+                for layout, in_ram in zip(self._layouts(), self._in_ram())]
+
+    def _layouts(self) -> list:
+        return self.store.layouts if self.store is not None else [plan_layout(named) for named in self.params.named]
+
+    def _in_ram(self) -> List[bool]:
+        """Per block, whether its host copy is (or, before packing, will be) in RAM. The host's tier plan asks what the
+        plan takes from host RAM on the CPU loopback (:meth:`planned_device_bytes`), which asks this: asked again
+        while it plans, the blocks count as in RAM."""
+        if self._planning_tiers:
+            return [True] * self.num_blocks
+        self._planning_tiers = True
+        try:
+            return [tier == "ram" for tier in self.host.tiers()]
+        finally:
+            self._planning_tiers = False
 
     def block_tails(self, config: Optional[OffloadConfig] = None) -> Optional[List[int]]:
         """Per block, the bytes it streams when it streams under ``config`` (the manager's by default): its tail
@@ -140,9 +155,8 @@ class LayerwiseOffloadManager:
         caps = (config or self.config).tail_caps(self.num_blocks)
         if caps is None:
             return None
-        layouts = self.store.layouts if self.store is not None else [plan_layout(named) for named in self.params.named]
-        return [layout.tail_bytes(cap) if tier == "ram" else layout.nbytes
-                for layout, tier, cap in zip(layouts, self.host.tiers(), caps)]
+        return [layout.tail_bytes(cap) if in_ram else layout.nbytes
+                for layout, in_ram, cap in zip(self._layouts(), self._in_ram(), caps)]
 
     def planned_device_bytes(self, schedule: Optional[Schedule] = None) -> int:
         """The device bytes the plan holds once armed: resident buffers, streamed blocks' heads, streaming slots."""

@@ -99,21 +99,24 @@ class PlanChoice:
     resident_count: int
     device_bytes: int
     prediction: Prediction
+    tails: Tuple[int, ...] = ()  # per block, the bytes it streams (streamed tails); (): whole blocks
 
 
-def choose_plan(costs: ModelCosts, gpu: GpuSpec, candidates: Sequence[Tuple[str, int, int]]) -> PlanChoice:
-    """The fastest of ``candidates`` ((policy, prefetch, resident count), each fitting the device) as predicted on
-    ``gpu``; among those within :data:`CLOSE_STEP` of the fastest step, the one holding the fewest device bytes
-    (ties: the earlier candidate)."""
+def choose_plan(costs: ModelCosts, gpu: GpuSpec, candidates: Sequence[tuple]) -> PlanChoice:
+    """The fastest of ``candidates`` ((policy, prefetch, resident count), or with a fourth item, per block the bytes
+    it streams (streamed tails); each fitting the device) as predicted on ``gpu``; among those within
+    :data:`CLOSE_STEP` of the fastest step, the one holding the fewest device bytes (ties: the earlier candidate)."""
     from .schedule import Schedule, choose_resident_blocks
 
     if not candidates:
         raise ValueError("choose_plan needs at least one candidate")
     scored = []
-    for policy, prefetch, count in candidates:
+    for policy, prefetch, count, *rest in candidates:
+        tails = tuple(rest[0]) if rest and rest[0] else ()
         nbytes = Schedule(choose_resident_blocks(costs.num_blocks, count, policy)).device_bytes(
-            costs.block_bytes, prefetch)
-        scored.append(PlanChoice(policy, prefetch, count, nbytes, predict(costs, gpu, count, policy, prefetch)))
+            costs.block_bytes, prefetch, tails or None)
+        scored.append(PlanChoice(policy, prefetch, count, nbytes,
+                                 predict(costs, gpu, count, policy, prefetch, tails=tails or None), tails))
     fastest = min(c.prediction.step_s for c in scored)
     close = [c for c in scored if c.prediction.step_s <= fastest * CLOSE_STEP]
     return min(close, key=lambda c: c.device_bytes)

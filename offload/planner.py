@@ -25,7 +25,7 @@ from .activation_model import find_line, line_bytes, tokens_for
 from .config import POLICIES
 from .schedule import choose_resident_blocks, footprint, largest_fitting, tail_within
 
-__all__ = ["ResidencyPlan", "plan_residency", "plan_streamed_tails", "ActivationEstimate", "forward_activation_bytes",
+__all__ = ["ResidencyPlan", "plan_residency", "plan_streamed_tails", "streamed_tails_plan", "ActivationEstimate", "forward_activation_bytes",
            "estimate_activation_bytes", "describe", "format_bytes"]
 
 
@@ -172,13 +172,22 @@ def plan_streamed_tails(block_bytes: Sequence[int], tail_options: Sequence[Seque
             break
     if best is None or best[1] == sizes:
         return None
-    plan, tails = best
-    need = plan.total + overhead
+    return streamed_tails_plan(sizes, best[1], free_bytes, reserve_bytes=reserve_bytes,
+                               activation_bytes=activation_bytes, non_block_bytes=non_block_bytes,
+                               prefetch_size=prefetch_size)
+
+
+def streamed_tails_plan(block_bytes: Sequence[int], tails: Sequence[int], free_bytes: int, *, reserve_bytes: int = 0,
+                        activation_bytes: int = 0, non_block_bytes: int = 0, prefetch_size: int = 1) -> ResidencyPlan:
+    """The plan that streams ``tails`` (per block, its tail's bytes) of every block, and whether it fits."""
+    n = len(block_bytes)
+    plan = footprint(block_bytes, (False,) * n, prefetch_size, tails)
+    need = plan.total + activation_bytes + reserve_bytes + non_block_bytes
     return ResidencyPlan(
         num_blocks=n, resident_count=0, resident=(False,) * n, resident_bytes=0, streamed_bytes=plan.streamed_bytes,
         slot_bytes=plan.slot_bytes, slot_count=plan.slot_count, activation_bytes=activation_bytes,
         reserve_bytes=reserve_bytes, non_block_bytes=non_block_bytes, free_bytes=free_bytes, required_bytes=need,
-        headroom_bytes=free_bytes - need, fits=True, policy="leading", prefetch_size=int(prefetch_size),
+        headroom_bytes=free_bytes - need, fits=need <= free_bytes, policy="leading", prefetch_size=int(prefetch_size),
         head_bytes=plan.head_bytes, tails=tuple(tails))
 
 

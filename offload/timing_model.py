@@ -50,8 +50,9 @@ GPUs, :data:`GPUS`, carry their sources in ``source``); this module times one wi
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .gpu_costs import (COPY_LATENCY_S, DIT_EFFICIENCY, GPUS, HOST_S_PER_STREAMED_BLOCK,
                         HOST_S_PER_STREAMED_BLOCK_BY_FORMAT, HOST_S_PER_STREAMED_BLOCK_FP8,
@@ -104,6 +105,9 @@ def simulate(trace: Trace, costs: ModelCosts, gpu: GpuSpec, sync_each_step: bool
     block_s = costs.block_seconds(gpu)
     outside_s = costs.outside_flops / gpu.dit_flops_per_s / 2  # two outside kernels per forward
     lora = costs.lora_bytes
+    # A streamed block's copy in the steady state moves its tail (streamed tails); the arming copies residents whole.
+    # The arming's head copies are not in the trace: they happen once, before the timed step.
+    copied, streamed_copy = costs.block_bytes, costs.streamed_copy_bytes
     host = 0.0
     ready: Dict[str, float] = {}
     busy: Dict[str, List[Tuple[float, float]]] = {}
@@ -131,7 +135,8 @@ def simulate(trace: Trace, costs: ModelCosts, gpu: GpuSpec, sync_each_step: bool
             _, stream, block, fraction = op
             if block is not None and not trace.resident[block] and fraction >= 1.0:
                 spend(costs.host_s_per_streamed_block)
-            nbytes = costs.block_bytes[block] * fraction if block is not None else 0.0
+            nbytes = (copied[block] if trace.resident[block] else streamed_copy[block]) * fraction \
+                if block is not None else 0.0
             span = run(stream, COPY_LATENCY_S + nbytes / gpu.h2d_bytes_per_s)
             copies_per_forward[-1] += 1
             if block is not None:
@@ -173,7 +178,7 @@ def simulate(trace: Trace, costs: ModelCosts, gpu: GpuSpec, sync_each_step: bool
     step = end - start
     copy_busy = _busy_within(busy.get("copy", []), start, end)
     compute_busy = _busy_within(busy.get("compute", []), start, end)
-    streamed = sum(costs.block_bytes[i] for i in trace.streamed_blocks)
+    streamed = sum(streamed_copy[i] for i in trace.streamed_blocks)
     origin = block_spans[-2][trace.num_blocks - 1][1]  # the forward before's last block ends
     last = block_spans[-1]
     return Prediction(
@@ -186,8 +191,11 @@ def simulate(trace: Trace, costs: ModelCosts, gpu: GpuSpec, sync_each_step: bool
 
 
 def predict(costs: ModelCosts, gpu: GpuSpec, resident_count: int, policy: str = "leading", prefetch: int = 1,
-            sync_each_step: bool = True) -> Prediction:
-    """The manager's schedule for this plan (recorded once per block count and plan), timed on ``gpu``."""
+            sync_each_step: bool = True, tails: Optional[Sequence[int]] = None) -> Prediction:
+    """The manager's schedule for this plan (recorded once per block count and plan), timed on ``gpu``; ``tails``:
+    per block, the bytes it streams (streamed tails: the schedule is the same, each copy moves its tail)."""
+    if tails:
+        costs = dataclasses.replace(costs, tail_bytes=tuple(tails))
     trace = record_schedule(costs.num_blocks, resident_count, policy, prefetch, costs.lora_bytes is not None)
     return simulate(trace, costs, gpu, sync_each_step)
 

@@ -109,9 +109,13 @@ class RecordingBackend(StreamBackend):
         return handle
 
 
-def storage_range(block):
-    pointers = [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in block.parameters()]
-    return min(a for a, _ in pointers), max(b for _, b in pointers)
+def storage_ranges(block):
+    """Each parameter's bytes (a block with a streamed tail reads two buffers: its head's and its slot's)."""
+    return [(p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in block.parameters()]
+
+
+def overlaps_any(range_, spans):
+    return any(overlaps(range_, span) for span in spans)
 
 
 def overlaps(a, b):
@@ -143,6 +147,7 @@ def halve_on_the_device(fake, backend):
 
     def halve(index, weights):
         clock = fake.current.tick()
+        weights = [w for w in weights if w is not None]  # a head or a tail: the weights this copy wrote, one buffer
         for weight in weights:
             weight.mul_(0.5)
         span = (min(w.data_ptr() for w in weights), max(w.data_ptr() + w.numel() * w.element_size() for w in weights))
@@ -151,7 +156,7 @@ def halve_on_the_device(fake, backend):
 
 
 def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, transform=False, before=None,
-                forwards=3):
+                forwards=3, tails=0):
     """Three forwards under the race checker; returns the backend with its copies and where they were issued.
     ``transform``: an after-copy transform halves every block's weights on the "device" as it is copied in.
     ``before(k, manager, backend)`` runs before forward ``k`` (a replan, say), ``forwards`` of them."""
@@ -169,6 +174,7 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
     FakeStream.waits = []
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy, pin_memory=pinning != "pageable",
+                                      streamed_tail_bytes=tails,
                                       environment=HostEnvironment(pinner=PINNING[pinning],
                                                                   available_host_bytes=lambda: 2**40),
                                       backend=(backend_class or RecordingBackend)(fake))
@@ -184,22 +190,23 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
 
     def read_start(index):
         def hook(module, args):
-            span = storage_range(module)
-            writer = [w for w in backend.writes if overlaps((w[0], w[1]), span)][-1]
-            starts[index] = (span, fake.compute.tick(), len(backend.writes))
-            assert happens_before(writer[3], starts[index][1]), f"block {index} may read before its copy finished"
+            spans = storage_ranges(module)
+            starts[index] = (spans, fake.compute.tick(), len(backend.writes))
+            for span in spans:
+                writer = [w for w in backend.writes if overlaps((w[0], w[1]), span)][-1]
+                assert happens_before(writer[3], starts[index][1]), f"block {index} may read before its copy finished"
             for begin, end, clock, stream in getattr(backend, "transform_writes", ()):
-                if overlaps((begin, end), span):
+                if overlaps_any((begin, end), spans):
                     assert stream == "transform", f"block {index}'s after-copy transform ran on the {stream} stream"
                     assert happens_before(clock, starts[index][1]), f"block {index} may read before its transform"
         return hook
 
     def read_end(index):
         def hook(module, args, output):
-            span, start, writes_at_start = starts.pop(index)
+            spans, start, writes_at_start = starts.pop(index)
             for begin, end, _, _ in backend.writes[writes_at_start:]:
-                assert not overlaps((begin, end), span), f"a copy was issued into block {index}'s memory while it ran"
-            reads.append((index, span, start, fake.compute.tick(), len(backend.writes)))
+                assert not overlaps_any((begin, end), spans), f"a copy was issued into block {index}'s memory while it ran"
+            reads.append((index, spans, start, fake.compute.tick(), len(backend.writes)))
         return hook
 
     for index, block in enumerate(model.blocks_in_call_order()):
@@ -214,8 +221,8 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
     # The next copy never queues behind a LoRA: the copy stream waits on the compute stream only.
     assert ("copy", "transform") not in FakeStream.waits, "the copy stream waits for an after-copy transform"
     for number, (begin, end, write_start, _) in enumerate(backend.writes):
-        for index, span, _, read_finished, writes_before in reads:
-            if writes_before <= number and overlaps((begin, end), span):
+        for index, spans, _, read_finished, writes_before in reads:
+            if writes_before <= number and overlaps_any((begin, end), spans):
                 assert happens_before(read_finished, write_start), (
                     f"copy #{number} may overwrite memory block {index} is still reading")
     return manager, backend
@@ -242,8 +249,8 @@ def track_issuing_hook(manager, backend):
     manager.copier.copy = copying
 
     def copy(dst, src, after=None, then=None):
-        host_block.update({manager.store.buffers[i].data_ptr(): i for i in range(manager.num_blocks)})
-        block = host_block.get(src.data_ptr())
+        host_block.update({(b.data_ptr(), b.data_ptr() + b.numel()): i for i, b in enumerate(manager.store.buffers)})
+        block = next((i for (begin, end), i in host_block.items() if begin <= src.data_ptr() < end), None)
         if block is None:  # a resident's chunk, from the page-locked bounce ring (offload/device/resident_copy.py)
             bounce = [b.data_ptr() for b in manager.copier.bounce.buffers]
             assert src.data_ptr() in bounce, "a copy from neither the store nor the bounce ring"
@@ -343,3 +350,21 @@ def test_the_checker_catches_a_missing_wait(pinning, broken):
     """Without the copy stream's wait for the slot's last reader, or the compute stream's wait for the copy, it fails."""
     with pytest.raises(AssertionError, match="may overwrite|may read before"):
         run_checked(0, 1, "leading", None, pinning, backend_class=broken)
+
+
+def tail_cap():
+    from layerwise_offload.offload.host.packing import block_parameters, plan_layout
+    return plan_layout(block_parameters(ToyTransformer().blocks_in_call_order()[0])).tail_sizes[2]
+
+
+@pytest.mark.parametrize("transform", [False, True])
+@pytest.mark.parametrize("pinning", ["pinned", "pageable"])
+@pytest.mark.parametrize("resident, prefetch, policy, order", SCENARIOS[:4] + SCENARIOS[5:])
+def test_streamed_tails_are_ordered_like_whole_blocks(resident, prefetch, policy, order, pinning, transform):
+    """A streamed block that keeps its head reads two buffers: the head copied once at arming, the tail into its slot
+    at every copy. No read before either copy (or its transform), no copy into either while the block runs."""
+    manager, backend = run_checked(resident, prefetch, policy, order, pinning, transform=transform, tails=tail_cap())
+    streamed = manager.schedule.streamed_blocks
+    assert set(manager.device_memory.heads) == set(streamed)
+    if transform:
+        assert len(backend.transform_writes) == len(backend.writes)  # heads and tails: each transformed once
