@@ -6,9 +6,11 @@ in ComfyUI's ``ModelPatcher`` and loaded with ``load(lowvram_model_memory=B)`` a
 ``NUM_STREAMS`` = 2 (its default on NVIDIA: each cast module's weights are budgeted three times over, for the
 async offload streams); what it leaves unloaded is cast to the device every forward. This pack's figure is the
 plan the node arms under the same B: the non-block weights first (the node places them before any block), then
-the most resident blocks whose footprint (residents + prefetch + 1 slots of the largest streamed block) fits what
-is left, at the smallest ring (prefetch 1), the better of leading and strided; every streamed block moves every
-forward. One forward per step (cond and uncond batched). fp8 and GGUF templates scale every module by their bytes
+the plan that streams the fewest bytes in what is left, at the smallest ring (prefetch 1), among the whole-block
+plans (the most resident blocks whose footprint, residents + 2 slots of the largest streamed block, fits; leading
+or strided) and the streamed-tails plan (every block keeps its head resident and streams a tail, 2 slots of the
+largest tail: ``plan_streamed_tails``); every streamed block (or tail) moves every forward. The whole-block
+figure is kept beside it (``ours_whole_*``), the plan before streamed tails. One forward per step (cond and uncond batched). fp8 and GGUF templates scale every module by their bytes
 per weight (uniform: the ratios are the bf16 ones).
 
     COMFYUI_PATH=$PWD/.comfyui/ComfyUI .venv/bin/python -P bench/g5_bytes.py --out bench/results
@@ -29,7 +31,8 @@ from ..devtools import comfy_env, dit_presets, template_memory  # noqa: E402
 
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 FIELDS = ("template", "budget_fraction", "budget_bytes", "weights_bytes", "comfy_lowvram_bytes_per_step",
-          "ours_bytes_per_step", "ours_resident", "ours_policy", "ours_over_comfy")
+          "ours_bytes_per_step", "ours_resident", "ours_policy", "ours_over_comfy", "ours_largest_tail_bytes",
+          "ours_whole_bytes_per_step", "ours_whole_over_comfy")
 
 
 def meta_patcher(template):
@@ -63,10 +66,12 @@ def comfyui_streamed_bytes(template, budget_bf16: int) -> int:
     return total - patcher.model.model_loaded_weight_memory
 
 
-def our_plan(template, budget_bf16: int):
-    """(streamed bytes, resident count, policy) of the node's plan under ``budget_bf16``; None where none fits."""
+def our_plan(template, budget_bf16: int, tails: bool = True):
+    """(streamed bytes, resident count, policy, largest tail) of the node's plan under ``budget_bf16`` (``tails``:
+    streamed tails among the candidates); None where none fits."""
     from ..nodes import discovery
-    from ..offload import Schedule, choose_resident_blocks, largest_fitting
+    from ..offload import Schedule, choose_resident_blocks, largest_fitting, plan_streamed_tails
+    from ..offload.host.packing import block_parameters, plan_layout
 
     patcher = meta_patcher(template)
     dit = patcher.model.diffusion_model
@@ -84,7 +89,12 @@ def our_plan(template, budget_bf16: int):
         resident = Schedule(choose_resident_blocks(len(sizes), count, policy))
         streamed = sum(sizes[i] for i in resident.streamed_blocks)
         if best is None or streamed < best[0]:
-            best = (streamed, count, policy)
+            best = (streamed, count, policy, 0)
+    if tails:
+        options = [plan_layout(block_parameters(block)).tail_sizes for block in found.blocks]
+        plan = plan_streamed_tails(sizes, options, room, prefetch_size=1)
+        if plan is not None and (best is None or plan.streamed_bytes < best[0]):
+            best = (plan.streamed_bytes, 0, "tails", max(plan.tails))
     return best
 
 
@@ -101,12 +111,16 @@ def rows(keys=None, fractions=FRACTIONS):
             budget = int(weights_bf16 * fraction)
             comfy = comfyui_streamed_bytes(template, budget)
             ours = our_plan(template, budget)
+            whole = our_plan(template, budget, tails=False)
             out.append(dict(
                 template=template.key, budget_fraction=fraction, budget_bytes=int(budget * scale),
                 weights_bytes=int(weights_bf16 * scale), comfy_lowvram_bytes_per_step=int(comfy * scale),
                 ours_bytes_per_step="" if ours is None else int(ours[0] * scale),
                 ours_resident="" if ours is None else ours[1], ours_policy="" if ours is None else ours[2],
-                ours_over_comfy="" if ours is None or comfy == 0 else round(ours[0] / comfy, 3)))
+                ours_over_comfy="" if ours is None or comfy == 0 else round(ours[0] / comfy, 3),
+                ours_largest_tail_bytes="" if ours is None else int(ours[3] * scale),
+                ours_whole_bytes_per_step="" if whole is None else int(whole[0] * scale),
+                ours_whole_over_comfy="" if whole is None or comfy == 0 else round(whole[0] / comfy, 3)))
     return out
 
 
@@ -116,11 +130,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     table = rows()
     gib = 2 ** 30
-    print(f"{'template':22} {'B':>5} {'ComfyUI lowvram':>16} {'ours':>9} {'ratio':>6}  plan")
+    print(f"{'template':22} {'B':>5} {'ComfyUI lowvram':>16} {'ours':>9} {'ratio':>6} {'whole':>6}  plan")
     for r in table:
         ours = "no fit" if r["ours_bytes_per_step"] == "" else f"{r['ours_bytes_per_step'] / gib:.2f} GiB"
         print(f"{r['template']:22} {r['budget_fraction']:>5} {r['comfy_lowvram_bytes_per_step'] / gib:>12.2f} GiB "
-              f"{ours:>9} {str(r['ours_over_comfy']):>6}  {r['ours_resident']} resident, {r['ours_policy']}")
+              f"{ours:>9} {str(r['ours_over_comfy']):>6} {str(r['ours_whole_over_comfy']):>6}  "
+              f"{r['ours_resident']} resident, {r['ours_policy']}")
     if args.out:
         path = Path(args.out) / "g5_bytes_per_step.csv"
         with open(path, "w", newline="") as f:

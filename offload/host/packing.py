@@ -1,8 +1,8 @@
 """Packing a block's parameters into one flat byte buffer, and viewing them back out.
 
 One buffer per block means one host-to-device copy per block, whatever its mix of dtypes.
-Parameters are grouped by dtype and each starts at an aligned offset, so every view is a
-plain reinterpretation of bytes (``view(dtype)``) with the parameter's own strides.
+Each tensor starts at an aligned offset, so every view is a plain reinterpretation of bytes
+(``view(dtype)``) with the parameter's own strides. The largest weights come first, a weight's parts together.
 
 A quantized weight that is a tensor subclass is stored as its plain parts (quantized data, scales; see
 ``tensor_subclass``) and rebuilt as the same subclass over the views, so what streams is the packed bytes.
@@ -189,21 +189,22 @@ def plan_layout(named_params: Sequence[Tuple[str, nn.Parameter]]) -> BlockLayout
         parts = weight_parts(name, param)
         rebuilds.append(parts.rebuild)
         pieces.extend((index, part, tensor) for part, tensor in parts.tensors)
-    by_dtype: Dict[torch.dtype, List[int]] = {}
-    for position, (_, _, tensor) in enumerate(pieces):
-        by_dtype.setdefault(tensor.dtype, []).append(position)
+    # Every entry starts on ALIGNMENT_BYTES, whatever its dtype. A weight's parts (a quantized weight's data and scale)
+    # sit side by side, and the largest weights come first: a streamed tail (a suffix of the buffer, see tail_sizes)
+    # may begin at any weight and grows by the smallest steps.
+    weight_bytes: Dict[int, int] = {}
+    for index, _, tensor in pieces:
+        weight_bytes[index] = weight_bytes.get(index, 0) + tensor.numel() * _itemsize(tensor.dtype)
     placed: Dict[int, ParamEntry] = {}
     offset = 0
-    # Widest dtypes first keeps every group's start aligned without padding between groups.
-    for dtype in sorted(by_dtype, key=lambda d: (-_itemsize(d), str(d))):
-        for position in by_dtype[dtype]:
-            index, part, tensor = pieces[position]
-            name, param = named_params[index]
-            stride, span = _kept_stride(tensor)
-            offset = _align(offset)
-            placed[position] = ParamEntry(f"{name}:{part}" if part else name, param, tuple(tensor.size()), stride,
-                                          dtype, offset, span, part)
-            offset += span * _itemsize(dtype)
+    for position in sorted(range(len(pieces)), key=lambda p: (-weight_bytes[pieces[p][0]], pieces[p][0])):
+        index, part, tensor = pieces[position]
+        name, param = named_params[index]
+        stride, span = _kept_stride(tensor)
+        offset = _align(offset)
+        placed[position] = ParamEntry(f"{name}:{part}" if part else name, param, tuple(tensor.size()), stride,
+                                      tensor.dtype, offset, span, part)
+        offset += span * _itemsize(tensor.dtype)
     order = sorted(placed, key=lambda p: placed[p].offset)
     entries = tuple(placed[p] for p in order)
     where = {p: i for i, p in enumerate(order)}
