@@ -353,8 +353,9 @@ class LayerwiseOffloadManager:
             source = source.narrow(0, split, layout.nbytes - split)
         bounce = (host.pinner if self.schedule.resident[index] and self.pin_memory
                   and self._copy_is_pageable(index) else None)
+        written = layout.weights_in_tail(split) if split and self.copier.transform is not None else None
         handle = self.copier.copy(self.backend, index, destination, source, after, views, bounce_pinner=bounce,
-                                  written=layout.weights_in_tail(split) if split else None)
+                                  written=written)
         self.host.copied(index, handle)
         self._point_at(index, views)
         self.states.copied_in(index, views, handle)
