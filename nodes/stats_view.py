@@ -47,6 +47,9 @@ def auto_plan_line(controller) -> Optional[str]:
         return f"auto: VRAM is short by {format_bytes(-plan.headroom_bytes)} even with every block streamed{act}"
     if plan.resident_count == plan.num_blocks:
         return f"auto: every block fits in the {free} free{act}"
+    if plan.tails:
+        return (f"auto: every block's head stays in the {free} free ({format_bytes(plan.head_bytes)}); each streams "
+                f"its tail, {format_bytes(plan.streamed_bytes)} a step{act}")
     return f"auto: {plan.resident_count} blocks fit in the {free} free{act}"
 
 

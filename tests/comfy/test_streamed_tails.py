@@ -16,6 +16,7 @@ from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes import controller as controller_module
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
+from layerwise_offload.nodes.stats_view import stats_view
 from layerwise_offload.offload import TIMING_GPU_ENV, gpu_costs, plan_residency
 from layerwise_offload.offload.planner import forward_activation_bytes
 
@@ -77,9 +78,12 @@ def test_auto_streams_tails_bitwise_and_fewer_bytes_than_whole_blocks(budget, lo
     assert manager.device_bytes() == manager.planned_device_bytes() <= budget[0] - overhead()
     assert controller.planned_footprint() == controller.non_block_bytes() + manager.device_bytes() + \
         controller.device_lora_scratch  # what ComfyUI is told
-    whole = min((plan_residency(sizes, budget[0] - overhead(), policy=p) for p in ("leading", "strided")),
+    room = budget[0] - overhead() - controller.device_lora_scratch
+    whole = min((plan_residency(sizes, room, policy=p) for p in ("leading", "strided")),
                 key=lambda plan: plan.streamed_bytes)
     assert sum(tails) < whole.streamed_bytes
+    text, _ = stats_view(model)
+    assert "each streams its tail" in text, text  # what the Stats node shows
     if lora:
         assert manager.after_copy is not None  # the LoRA is applied on the device: heads once, tails at each copy
 
