@@ -68,6 +68,7 @@ class RunReport:
     disk_bytes_read: int = 0  # read from that file during the run
     disk_seconds: float = 0.0  # wall time with a read in flight
     disk_stall_seconds: float = 0.0  # time copies waited for reads
+    head_bytes: int = 0  # the streamed blocks' heads in VRAM (streamed tails)
     disk_checkpoint_blocks: int = 0  # of the disk blocks, those read straight from the safetensors checkpoint
 
     @property
@@ -137,6 +138,9 @@ class RunReport:
     def headline(self) -> str:
         if self.streamed_blocks == 0:
             return f"all {self.num_blocks} blocks in VRAM"
+        if self.head_bytes:
+            return (f"{self.resident_blocks} of {self.num_blocks} blocks in VRAM, {self.streamed_blocks} streamed as "
+                    f"tails (their heads, {format_bytes(self.head_bytes)}, in VRAM)")
         return f"{self.resident_blocks} of {self.num_blocks} blocks in VRAM, {self.streamed_blocks} streamed"
 
     def copy_line(self) -> str:

@@ -84,6 +84,7 @@ def test_auto_streams_tails_bitwise_and_fewer_bytes_than_whole_blocks(budget, lo
     assert sum(tails) < whole.streamed_bytes
     text, _ = stats_view(model)
     assert "each streams its tail" in text, text  # what the Stats node shows
+    assert "streamed as tails (their heads" in controller.last_report.headline()
     if lora:
         assert manager.after_copy is not None  # the LoRA is applied on the device: heads once, tails at each copy
 
