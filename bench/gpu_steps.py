@@ -72,7 +72,7 @@ TABLES: Dict[str, tuple] = {
               "step_ms_spread", "streamed_bytes_per_step", "stall_ms_per_step", "stall_pct", "compute_ms",
               "gbps", "bound_ms", "ratio_to_bound", "predicted_step_ms", "predicted_ratio_to_bound",
               "speedup_vs_comfy", "device_peak_bytes", "weights_device_bytes", "resident_bytes_per_step",
-              "bitwise_equal_full", "seconds", "error"),
+              "bitwise_equal_full", "seconds", "error", "tails_bytes_per_step"),
     # Per block of a sweep run's last forward, measured (CUDA events on the compute stream) beside the timing
     # model's replay of the same setting; ms from the end of the forward before's last block. measured_start is
     # queued before the manager's wait for the block's copy, so end - start includes any stall.
@@ -333,7 +333,7 @@ def sweep_counts(num_blocks: int, runs: int = 7) -> List[int]:
 
 
 def predict_setting(block_nbytes: Sequence[int], block_ms: Sequence[float], compute_ms: float, gbps: float,
-                    resident: int, policy: str, prefetch: int):
+                    resident: int, policy: str, prefetch: int, tails: Optional[Sequence[int]] = None):
     """The timing model's replay of the manager's schedule (offload/timing_model.py) for this setting, timed with
     what this GPU measured: each block's compute from the full load's CUDA events, the rest of the full step as the
     work outside the blocks, the copy rate of registered memory. None without those figures."""
@@ -346,7 +346,7 @@ def predict_setting(block_nbytes: Sequence[int], block_ms: Sequence[float], comp
                      source="the full load's per-block CUDA events and the preflight's registered copy rate")
     costs = tm.ModelCosts(tuple(int(n) for n in block_nbytes), tuple(block_s),  # 1 "FLOP" a second here
                           outside_flops=max(0.0, float(compute_ms) / 1e3 - sum(block_s)))
-    return tm.predict(costs, gpu, int(resident), policy, int(prefetch))
+    return tm.predict(costs, gpu, int(resident), policy, int(prefetch), tails=tails)
 
 
 class BlockClock:
@@ -408,7 +408,8 @@ class GpuHarness(Harness):
         controller, self._controller = self._controller, None
         if controller is None:
             return {}
-        return dict(policy=controller.config.policy, prefetch=controller.config.prefetch_size)
+        return dict(policy=controller.config.policy, prefetch=controller.config.prefetch_size,
+                    tails=controller.manager.block_tails(controller.config))
 
     def setup(self):
         super().setup()
@@ -427,7 +428,7 @@ class GpuHarness(Harness):
         prediction = None
         if mode in ("layerwise_auto", "layerwise", "sweep") and not hrow["error"] and hrow["resident"] != "":
             prediction = predict_setting(self.block_nbytes, self.block_ms, self.compute_ms, self.gbps,
-                                         hrow["resident"], hrow["policy"], hrow["prefetch"])
+                                         hrow["resident"], hrow["policy"], hrow["prefetch"], hrow.get("tails"))
         if clock is not None and prediction is not None:
             self._timeline_rows(clock, prediction, hrow)
         return add_step(
@@ -443,7 +444,8 @@ class GpuHarness(Harness):
             predicted_ratio_to_bound=prediction.ratio if prediction else "",
             speedup_vs_comfy=ratio(self.comfy_ms.get(label, ""), step_ms) if mode.startswith("layerwise") else "",
             device_peak_bytes=peak.peak_bytes, weights_device_bytes=hrow["weights_device_bytes"],
-            bitwise_equal_full=hrow["bitwise_equal"], seconds=time.perf_counter() - started, error=hrow["error"])
+            bitwise_equal_full=hrow["bitwise_equal"], seconds=time.perf_counter() - started, error=hrow["error"],
+            tails_bytes_per_step=sum(hrow["tails"]) if hrow.get("tails") else "")
 
     def full(self, mode: str = "full", weights: Optional[str] = None, per_block: bool = False, state=None) -> dict:
         clock = BlockClock(self.discovered.blocks, self.cuda) if per_block else None
