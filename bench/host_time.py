@@ -173,13 +173,18 @@ def _median_forwards(models, x: torch.Tensor, forwards: int, clock) -> List[floa
 
 
 def measure(fmt: str, blocks: int, repeats: int, forwards: int, folder: str,
-            clock=time.thread_time) -> Optional[Dict[str, float]]:
+            clock=time.thread_time, tail_fraction: float = 0.0) -> Optional[Dict[str, float]]:
     bare, offloaded = build(fmt, blocks, folder), build(fmt, blocks, folder)
     if bare is None:
         return None
     params = sum(1 for _ in offloaded.blocks[0].parameters())
+    tails = 0
+    if tail_fraction:  # every block streams the tail its layout allows within this fraction of it
+        packing = importlib.import_module(offload.__name__ + ".host.packing")
+        layout = packing.plan_layout(offload.block_parameters(offloaded.blocks[0]))
+        tails = max(1, int(layout.nbytes * tail_fraction))
     manager = offload.apply_layerwise_offload(list(offloaded.blocks), "cpu", root=offloaded, resident_layers=0,
-                                              prefetch_size=1)
+                                              prefetch_size=1, streamed_tail_bytes=tails)
     x = torch.zeros(1, WIDTH)
     per_block = []
     with torch.inference_mode(False), torch.no_grad():
@@ -218,6 +223,8 @@ def main(argv=None) -> int:
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="thread",
                         help="thread: this thread's CPU time (what the host spends, robust to other processes on a "
                              "busy machine); wall: elapsed time")
+    parser.add_argument("--tail-fraction", type=float, default=0.0,
+                        help="stream tails of at most this fraction of each block (streamed_tail_bytes); 0: whole")
     parser.add_argument("--append", action="store_true", help="append to the CSV instead of rewriting it")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -225,7 +232,8 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for fmt in args.formats.split(","):
-            result = measure(fmt, args.blocks, args.repeats, args.forwards, folder, CLOCKS[args.clock])
+            result = measure(fmt, args.blocks, args.repeats, args.forwards, folder, CLOCKS[args.clock],
+                             args.tail_fraction)
             if result is None:
                 continue
             row = {"format": fmt, "phase": args.phase, "ms_per_block": f"{result['ms_per_block']:.4f}",

@@ -349,8 +349,11 @@ class LayerwiseOffloadManager:
         else:
             ahead = ()
         source = host.source(index, ahead)
-        if split:
-            source = source.narrow(0, split, layout.nbytes - split)
+        if split:  # a RAM block (a disk block streams whole); made once per host buffer
+            tail = views.source
+            if tail is None or tail.data_ptr() != source.data_ptr() + split:
+                tail = views.source = source.narrow(0, split, layout.nbytes - split)
+            source = tail
         bounce = (host.pinner if self.schedule.resident[index] and self.pin_memory
                   and self._copy_is_pageable(index) else None)
         written = layout.weights_in_tail(split) if split and self.copier.transform is not None else None

@@ -26,10 +26,10 @@ from ..weights import WrapperPointer, point_param_at, wrapper_inner, weight_poin
 class PlacedWeights(list):
     """A cached views list (``BlockLayout.weights`` order), with what the step reads of it at every copy read once:
     each wrapper weight's inner tensors (``inner``, in its ``__tensor_flatten__`` order; None for a plain weight, or
-    for a layout without wrappers), and the caller's ``destination`` (the manager's: the buffer's bytes the copy
-    writes)."""
+    for a layout without wrappers), and the caller's ``destination`` and ``source`` (the manager's: the buffer's bytes
+    the copy writes, and a streamed tail's host bytes it reads)."""
 
-    __slots__ = ("inner", "device", "destination")
+    __slots__ = ("inner", "device", "destination", "source")
 
     def __init__(self, weights: Sequence[torch.Tensor], wrappers: Sequence[bool]):
         super().__init__(weights)
@@ -38,6 +38,7 @@ class PlacedWeights(list):
         devices = {w.device for w, wrapper in zip(weights, wrappers) if wrapper}
         self.device = devices.pop() if len(devices) == 1 else None  # the wrapper weights' device
         self.destination: Optional[torch.Tensor] = None
+        self.source: Optional[torch.Tensor] = None  # the host bytes a streamed tail's copy reads (the caller's)
 
 
 class _Pointing:
