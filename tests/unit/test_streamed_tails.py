@@ -179,3 +179,62 @@ def test_streamed_tail_bytes_is_checked():
         offloaded(streamed_tail_bytes=1.5)
     with pytest.raises(ValueError, match="streamed_tail_bytes has 2 caps for 7 blocks"):
         offloaded(streamed_tail_bytes=(1, 2))
+
+
+def small_cap():
+    return sorted(layouts()[0].tail_sizes)[2]
+
+
+def test_an_interrupted_forward_leaves_nothing_held_after_release(sample_input):
+    """KeyboardInterrupt in the middle of a step (ComfyUI's cancel): the next run is bitwise, and releasing frees
+    every device byte, heads included; detach gives the blocks back whole."""
+    want = reference_output(sample_input)
+    model, manager = offloaded(resident_layers=1, streamed_tail_bytes=small_cap())
+    calls = 0
+
+    def interrupt(module, args):
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise KeyboardInterrupt
+    handle = model.blocks_in_call_order()[4].register_forward_pre_hook(interrupt)
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), want)
+        with pytest.raises(KeyboardInterrupt):
+            model(sample_input)
+        handle.remove()
+        assert torch.equal(model(sample_input), want)
+    assert manager.device_memory.heads
+    manager.release_all()
+    assert manager.device_bytes() == 0 and not manager.device_memory.heads
+    manager.detach()
+    assert all(p.numel() > 0 for p in model.parameters())
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), want)
+
+
+def test_outside_the_hooks_a_released_block_reads_its_host_copy(sample_input):
+    """released_params = host: code that runs the blocks without the hooks (a sibling clone in ComfyUI) sees whole
+    weights, never a head without its tail."""
+    want = reference_output(sample_input)
+    model, manager = offloaded(resident_layers=0, streamed_tail_bytes=small_cap(), released_params="host")
+    with torch.no_grad():
+        assert torch.equal(model(sample_input), want)
+        manager.hooks.active = False
+        assert torch.equal(model(sample_input), want)
+        manager.hooks.active = True
+        assert torch.equal(model(sample_input), want)
+
+
+def test_two_models_alternating_keep_their_own_heads(sample_input):
+    """Two managed models taking turns (Wan 2.2's experts): each keeps its heads and streams its tails, bitwise."""
+    other_input = sample_input * 0.5
+    first, first_manager = offloaded(resident_layers=0, streamed_tail_bytes=small_cap())
+    second, second_manager = offloaded(resident_layers=2, streamed_tail_bytes=small_cap())
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(first(sample_input), reference_output(sample_input))
+            assert torch.equal(second(other_input), reference_output(other_input))
+    assert first_manager.device_memory.heads and second_manager.device_memory.heads
+    assert not set(map(id, first_manager.device_memory.heads.values())) & set(
+        map(id, second_manager.device_memory.heads.values()))
