@@ -158,6 +158,12 @@ class LayerwiseOffloadManager:
         return [layout.tail_bytes(cap) if in_ram else layout.nbytes
                 for layout, in_ram, cap in zip(self._layouts(), self._in_ram(), caps)]
 
+    def _splits_for(self, schedule: Schedule, sizes: Sequence[int], tails: Optional[Sequence[int]]) -> List[int]:
+        """Per block, where its streamed tail begins under ``schedule`` (0: resident, or streamed whole)."""
+        if tails is None:
+            return [0] * self.num_blocks
+        return [0 if keep else size - tail for keep, size, tail in zip(schedule.resident, sizes, tails)]
+
     def planned_device_bytes(self, schedule: Optional[Schedule] = None) -> int:
         """The device bytes the plan holds once armed: resident buffers, streamed blocks' heads, streaming slots."""
         schedule = schedule or self.schedule or self._make_schedule()
@@ -285,8 +291,7 @@ class LayerwiseOffloadManager:
         self._sync_pinning(schedule)
         memory = self.device_memory
         memory.inference = self.inference_tensors
-        self._splits = [0] * self.num_blocks if tails is None else [
-            0 if schedule.resident[i] else sizes[i] - tails[i] for i in range(self.num_blocks)]
+        self._splits = self._splits_for(schedule, sizes, tails)
         heads = [(i, split) for i, split in enumerate(self._splits) if split > 0]
         new_heads = [i for i, _ in heads if i not in memory.heads]
         try:
@@ -464,8 +469,7 @@ class LayerwiseOffloadManager:
             sizes, tails = self.block_nbytes(), self.block_tails(config)
             ring = schedule.footprint(sizes, config.prefetch_size, tails)
             keep_ring = memory.ring_is(ring.slot_count, ring.slot_size)
-            splits = [0 if schedule.resident[i] or tails is None else sizes[i] - tails[i]
-                      for i in range(self.num_blocks)]
+            splits = self._splits_for(schedule, sizes, tails)
             for index in range(self.num_blocks):
                 resident = index in memory.residents
                 if resident and schedule.resident[index]:
