@@ -30,6 +30,7 @@ from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 
 from .test_host_ram import random_block_lora
+from .test_streamed_tails import overhead
 
 if not dynamic_vram_standin.available():
     pytest.skip("this ComfyUI has no dynamic VRAM that core loaders use (0.33+)", allow_module_level=True)
@@ -180,3 +181,31 @@ def test_comfyuis_block_prefetch_and_cuda_graphs_stay_off_for_the_node_model(fil
     finally:
         hook.remove()
     assert alone == {True} and set(seen) == {False}
+
+
+def test_streamed_tails_through_the_templates_chain(files, monkeypatch):
+    """The templates' chain (Load Diffusion Model (Layerwise) -> node, auto) on 0.33's dynamic VRAM, with a card known
+    to the timing model and a budget smaller than the model: auto streams tails, bitwise against 0.33's own
+    dynamic run of the same model, and the same loaded model runs without the node after."""
+    from layerwise_offload.nodes import controller as controller_module
+    from layerwise_offload.offload import TIMING_GPU_ENV, gpu_costs
+
+    card = gpu_costs.GPUS["RTX 4090 24GB"]
+    slow = "RTX 4090 behind a 0.2 GB/s link"  # the tiny model's copies outweigh its host time, as a real model's do
+    monkeypatch.setitem(gpu_costs.GPUS, slow, type(card)(slow, card.vram_bytes, 0.2e9, card.matmul_flops_per_s,
+                                                         card.hbm_bytes_per_s))
+    model = load(files, "layerwise")
+    want = tiny_dits.sample(model, seed=3)  # 0.33's dynamic run, no node
+    offloaded = offload_model(model, -1, 1, "auto", True)
+    manager = controller_of(offloaded).manager
+    free = overhead() + int(0.8 * sum(manager.block_nbytes()))  # ComfyUI's reserve and the activations first
+    monkeypatch.setenv(TIMING_GPU_ENV, slow)
+    monkeypatch.setattr(mm, "get_free_memory",
+                        lambda dev=None, torch_free_too=False: (free, free) if torch_free_too else free)
+    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)
+    assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
+    assert isinstance(manager.config.streamed_tail_bytes, tuple) and manager.device_memory.heads
+    assert manager.stats().bytes_copied_last_forward == sum(manager.block_tails())
+    monkeypatch.undo()
+    mm.unload_all_models()
+    assert torch.equal(tiny_dits.sample(model, seed=3), want)
