@@ -55,14 +55,24 @@ def comfyui_streamed_bytes(template, budget_bf16: int) -> int:
     import comfy.model_management
     import torch
 
+    import comfy.ops
+
     patcher = meta_patcher(template)
     total = sum(module_mem for module_mem, *_ in patcher._load_list())
     streams = comfy.model_management.NUM_STREAMS
     comfy.model_management.NUM_STREAMS = 2
+    # Newer ComfyUI (0.33) fills a meta weight it loads with real zeros (on the CPU: 16 GB at once for Flux): only
+    # its accounting is wanted here, so the weights stay on the meta device.
+    ops = comfy.ops.disable_weight_init
+    zero_init = ops.__dict__.get("_zero_init_parameter")
+    if zero_init is not None:
+        ops._zero_init_parameter = staticmethod(lambda module, name: None)
     try:
         patcher.load(torch.device("meta"), lowvram_model_memory=budget_bf16)
     finally:
         comfy.model_management.NUM_STREAMS = streams
+        if zero_init is not None:
+            ops._zero_init_parameter = zero_init
     return total - patcher.model.model_loaded_weight_memory
 
 
