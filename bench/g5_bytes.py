@@ -76,6 +76,99 @@ def comfyui_streamed_bytes(template, budget_bf16: int) -> int:
     return total - patcher.model.model_loaded_weight_memory
 
 
+VBAR_PAGE = 32 * 2**20  # comfy-aimdo's VBAR page (src/model-vbar.c: VBAR_PAGE_SIZE)
+CAST_BUFFER_CHUNK = 16 * 2**20  # an aimdo VRAMBuffer grows in 16 MiB chunks on NVIDIA (comfy_aimdo/vram_buffer.py)
+OFFLOAD_STREAMS = 2  # ComfyUI 0.33's NUM_STREAMS on NVIDIA
+
+
+class RecordingVBAR:
+    """comfy-aimdo's ``ModelVBAR`` as far as ComfyUI's load sees it, without a device: its address arithmetic (a bump
+    allocator at 512-byte alignment, from offset 0) and a record of every allocation in the order ComfyUI made it."""
+
+    def __init__(self, size, device):
+        self.offset = 0
+        self.allocations = []
+
+    def prioritize(self, malloc_async_clamp=None):
+        pass
+
+    def alloc(self, num_bytes):
+        self.offset = (self.offset + 511) & ~511
+        allocation = (self, self.offset, num_bytes)
+        self.offset += num_bytes
+        self.allocations.append(allocation)
+        return allocation
+
+    def loaded_size(self):
+        return 0
+
+
+def dynamic_load_layout(template):
+    """ComfyUI 0.33's own dynamic-VRAM load of the template's DiT on the meta device: (the bytes it places on the
+    device outright, the VBAR allocations ``[(offset, bytes)]`` in its order), bf16 figures. The load is
+    ``ModelPatcherDynamic.load`` as written (its ``_load_list(for_dynamic=True)`` order, largest weights first; the
+    small ones force-loaded); only the VBAR is the recording stand-in above."""
+    import comfy.model_patcher
+    import comfy.ops
+    import comfy_aimdo.model_vbar
+    import torch
+
+    from ..devtools import dynamic_vram_standin
+
+    if not dynamic_vram_standin.available():
+        raise RuntimeError("[layerwise-offload] the dynamic-VRAM figure needs ComfyUI 0.33+ (ModelPatcherDynamic)")
+    dynamic_vram_standin.init_library()
+    classic = meta_patcher(template)
+    meta = torch.device("meta")
+    patcher = comfy.model_patcher.ModelPatcherDynamic(classic.model, load_device=meta, offload_device=meta)
+    vbar_class = comfy_aimdo.model_vbar.ModelVBAR
+    ops = comfy.ops.disable_weight_init
+    zero_init = ops.__dict__.get("_zero_init_parameter")
+    comfy_aimdo.model_vbar.ModelVBAR = RecordingVBAR
+    if zero_init is not None:
+        ops._zero_init_parameter = staticmethod(lambda module, name: None)
+    try:
+        patcher.load(meta)
+    finally:
+        comfy_aimdo.model_vbar.ModelVBAR = vbar_class
+        if zero_init is not None:
+            ops._zero_init_parameter = zero_init
+    vbar = patcher.model.dynamic_vbars[meta]
+    in_vbar = {id(m) for m in patcher.model.modules() if hasattr(m, "_v")}
+    outright = sum(t.numel() * t.element_size() for m in patcher.model.modules() if id(m) not in in_vbar
+                   for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)))
+    return outright, [(offset, size) for _, offset, size in vbar.allocations]
+
+
+def dynamic_streamed_bytes(outright: int, allocations, budget: int) -> int:
+    """What ComfyUI 0.33's dynamic VRAM casts every forward under ``budget`` bytes of VRAM for weights.
+
+    comfy-aimdo's residency rule (``src/model-vbar.c``): a VBAR's pages below its watermark may be resident, a fault
+    that would reach past the watermark fails, and when VRAM runs out the watermark comes down from the top. In a
+    steady state the first W pages stay resident; a weight whose last page is past W is cast every forward, through
+    one cast buffer per offload stream, each as large as the largest weight cast (in 16 MiB chunks). W is the most
+    pages for which the weights placed outright, the W pages and the buffers fit."""
+    ends = [-(-(offset + size) // VBAR_PAGE) for offset, size in allocations]
+    for pages in range(max(ends, default=0), -1, -1):
+        cast = [size for (_, size), end in zip(allocations, ends) if end > pages]
+        buffers = OFFLOAD_STREAMS * -(-max(cast) // CAST_BUFFER_CHUNK) * CAST_BUFFER_CHUNK if cast else 0
+        if outright + pages * VBAR_PAGE + buffers <= budget:
+            return sum(cast)
+    return sum(size for _, size in allocations)
+
+
+def scaled_allocations(allocations, scale: float):
+    """The same allocations for weights stored at ``scale`` times bf16's bytes (fp8, GGUF): each size scaled and
+    rounded to 1024 bytes as ComfyUI's ``vram_aligned_size``, re-placed by the VBAR's 512-byte bump allocation."""
+    placed, offset = [], 0
+    for _, size in allocations:
+        size = -(-int(size * scale) // 1024) * 1024
+        offset = (offset + 511) & ~511
+        placed.append((offset, size))
+        offset += size
+    return placed
+
+
 def our_plan(template, budget_bf16: int, tails: bool = True):
     """(streamed bytes, resident count, policy, largest tail) of the node's plan under ``budget_bf16`` (``tails``:
     streamed tails among the candidates); None where none fits."""
@@ -134,12 +227,64 @@ def rows(keys=None, fractions=FRACTIONS):
     return out
 
 
+DYNAMIC_FIELDS = ("template", "budget_fraction", "budget_bytes", "weights_bytes", "comfy_dynamic_bytes_per_step",
+                  "ours_bytes_per_step", "ours_policy", "ours_over_dynamic", "ours_largest_tail_bytes")
+
+
+def dynamic_rows(keys=None, fractions=FRACTIONS):
+    """The same budgets against ComfyUI 0.33's dynamic VRAM (run on 0.33: ``COMFYUI_PATH`` at its tree)."""
+    comfy_env.import_comfyui(cpu=True, import_nodes=False)
+    out = []
+    for template in template_memory._templates(dit_presets):
+        if keys and template.key not in keys:
+            continue
+        patcher = meta_patcher(template)
+        weights_bf16 = sum(module_mem for module_mem, *_ in patcher._load_list())
+        del patcher
+        scale = template.stored_bytes / 2
+        outright, allocations = dynamic_load_layout(template)
+        # what ComfyUI places outright (small weights, norms, non-leaf parameters) stays in its file's dtype
+        placed = scaled_allocations(allocations, scale) if scale != 1 else allocations
+        for fraction in fractions:
+            budget = int(weights_bf16 * fraction)
+            dynamic = dynamic_streamed_bytes(outright, placed, int(budget * scale))
+            ours = our_plan(template, budget)
+            ours_bytes = None if ours is None else int(ours[0] * scale)
+            out.append(dict(
+                template=template.key, budget_fraction=fraction, budget_bytes=int(budget * scale),
+                weights_bytes=int(weights_bf16 * scale), comfy_dynamic_bytes_per_step=dynamic,
+                ours_bytes_per_step="" if ours is None else ours_bytes, ours_policy="" if ours is None else ours[2],
+                ours_over_dynamic="" if ours is None or dynamic == 0 else round(ours_bytes / dynamic, 3),
+                ours_largest_tail_bytes="" if ours is None else int(ours[3] * scale)))
+    return out
+
+
+def write_csv(path: Path, fields, table) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(table)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", help="write g5_bytes_per_step.csv into this folder")
+    ap.add_argument("--dynamic", action="store_true",
+                    help="against ComfyUI 0.33's dynamic VRAM (COMFYUI_PATH at ComfyUI 0.33+): g5_bytes_dynamic.csv")
     args = ap.parse_args(argv)
-    table = rows()
     gib = 2 ** 30
+    if args.dynamic:
+        table = dynamic_rows()
+        print(f"{'template':22} {'B':>5} {'ComfyUI dynamic':>16} {'ours':>9} {'ratio':>6}  plan")
+        for r in table:
+            ours = "no fit" if r["ours_bytes_per_step"] == "" else f"{r['ours_bytes_per_step'] / gib:.2f} GiB"
+            print(f"{r['template']:22} {r['budget_fraction']:>5} {r['comfy_dynamic_bytes_per_step'] / gib:>12.2f} GiB "
+                  f"{ours:>9} {str(r['ours_over_dynamic']):>6}  {r['ours_policy']}")
+        if args.out:
+            write_csv(Path(args.out) / "g5_bytes_dynamic.csv", DYNAMIC_FIELDS, table)
+        return 0
+    table = rows()
     print(f"{'template':22} {'B':>5} {'ComfyUI lowvram':>16} {'ours':>9} {'ratio':>6} {'whole':>6}  plan")
     for r in table:
         ours = "no fit" if r["ours_bytes_per_step"] == "" else f"{r['ours_bytes_per_step'] / gib:.2f} GiB"
@@ -147,12 +292,7 @@ def main(argv=None) -> int:
               f"{ours:>9} {str(r['ours_over_comfy']):>6} {str(r['ours_whole_over_comfy']):>6}  "
               f"{r['ours_resident']} resident, {r['ours_policy']}")
     if args.out:
-        path = Path(args.out) / "g5_bytes_per_step.csv"
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=FIELDS)
-            writer.writeheader()
-            writer.writerows(table)
-        print(f"wrote {path}")
+        write_csv(Path(args.out) / "g5_bytes_per_step.csv", FIELDS, table)
     return 0
 
 
