@@ -201,15 +201,22 @@ def our_plan(template, budget_bf16: int, tails: bool = True):
     return best
 
 
-def rows(keys=None, fractions=FRACTIONS):
+def templates(keys=None):
+    """(template, its weights' bf16 bytes as ComfyUI counts them, its stored bytes over bf16's) for every template
+    (``keys``: those only), with ComfyUI imported."""
     comfy_env.import_comfyui(cpu=True, import_nodes=False)
-    out = []
     for template in template_memory._templates(dit_presets):
         if keys and template.key not in keys:
             continue
         patcher = meta_patcher(template)
         weights_bf16 = sum(module_mem for module_mem, *_ in patcher._load_list())
-        scale = template.stored_bytes / 2
+        del patcher
+        yield template, weights_bf16, template.stored_bytes / 2
+
+
+def rows(keys=None, fractions=FRACTIONS):
+    out = []
+    for template, weights_bf16, scale in templates(keys):
         for fraction in fractions:
             budget = int(weights_bf16 * fraction)
             comfy = comfyui_streamed_bytes(template, budget)
@@ -233,15 +240,8 @@ DYNAMIC_FIELDS = ("template", "budget_fraction", "budget_bytes", "weights_bytes"
 
 def dynamic_rows(keys=None, fractions=FRACTIONS):
     """The same budgets against ComfyUI 0.33's dynamic VRAM (run on 0.33: ``COMFYUI_PATH`` at its tree)."""
-    comfy_env.import_comfyui(cpu=True, import_nodes=False)
     out = []
-    for template in template_memory._templates(dit_presets):
-        if keys and template.key not in keys:
-            continue
-        patcher = meta_patcher(template)
-        weights_bf16 = sum(module_mem for module_mem, *_ in patcher._load_list())
-        del patcher
-        scale = template.stored_bytes / 2
+    for template, weights_bf16, scale in templates(keys):
         outright, allocations = dynamic_load_layout(template)
         # what ComfyUI places outright (small weights, norms, non-leaf parameters) stays in its file's dtype
         placed = scaled_allocations(allocations, scale) if scale != 1 else allocations
