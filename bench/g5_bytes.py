@@ -13,7 +13,12 @@ largest tail: ``plan_streamed_tails``); every streamed block (or tail) moves eve
 figure is kept beside it (``ours_whole_*``), the plan before streamed tails. One forward per step (cond and uncond batched). fp8 and GGUF templates scale every module by their bytes
 per weight (uniform: the ratios are the bf16 ones).
 
+``per_weight_projection_*`` projects what streaming weight by weight would give (the pack streams whole tails).
+``--dynamic`` (on ComfyUI 0.33+) sets the same plans against 0.33's dynamic VRAM: its own dynamic load on the meta
+device, and comfy-aimdo's page rule for what stays resident (:func:`dynamic_streamed_bytes`).
+
     COMFYUI_PATH=$PWD/.comfyui/ComfyUI .venv/bin/python -P bench/g5_bytes.py --out bench/results
+    COMFYUI_PATH=$PWD/.comfyui/ComfyUI-0.33.0 .venv-0.33.0/bin/python -P bench/g5_bytes.py --dynamic --out bench/results
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from ..devtools import comfy_env, dit_presets, template_memory  # noqa: E402
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 FIELDS = ("template", "budget_fraction", "budget_bytes", "weights_bytes", "comfy_lowvram_bytes_per_step",
           "ours_bytes_per_step", "ours_resident", "ours_policy", "ours_over_comfy", "ours_largest_tail_bytes",
-          "ours_whole_bytes_per_step", "ours_whole_over_comfy")
+          "ours_whole_bytes_per_step", "ours_whole_over_comfy", "per_weight_projection_over_comfy")
 
 
 def meta_patcher(template):
@@ -201,6 +206,31 @@ def our_plan(template, budget_bf16: int, tails: bool = True):
     return best
 
 
+def per_weight_projection(template, budget_bf16: int) -> int:
+    """Bytes per step if the pack streamed weight by weight (a projection for sub-block streaming, which the
+    pack does not do): the non-block weights and then the largest weights resident, every other weight copied
+    into a ring of two slots of the largest such weight ahead of its own module. The pieces are the ones the
+    packing already has, each weight at its 256-byte alignment (the steps of ``BlockLayout.tail_sizes``)."""
+    from ..nodes import discovery
+    from ..offload.host.packing import block_parameters, plan_layout
+
+    dit = meta_patcher(template).model.diffusion_model
+    found = discovery.discover_blocks(dit)
+    pieces, block_bytes = [], 0
+    for block in found.blocks:
+        options = plan_layout(block_parameters(block)).tail_sizes
+        pieces += [b - a for a, b in zip((0,) + tuple(options), options) if b > a]
+        block_bytes += sum(p.numel() * p.element_size() for p in block.parameters())
+    room = budget_bf16 - (sum(p.numel() * p.element_size() for p in dit.parameters()) - block_bytes)
+    pieces.sort(reverse=True)
+    kept = 0
+    for k, piece in enumerate(pieces):
+        if kept + piece + 2 * (pieces[k + 1] if k + 1 < len(pieces) else 0) > room:
+            break
+        kept += piece
+    return sum(pieces) - kept
+
+
 def templates(keys=None):
     """(template, its weights' bf16 bytes as ComfyUI counts them, its stored bytes over bf16's) for every template
     (``keys``: those only), with ComfyUI imported."""
@@ -230,12 +260,15 @@ def rows(keys=None, fractions=FRACTIONS):
                 ours_over_comfy="" if ours is None or comfy == 0 else round(ours[0] / comfy, 3),
                 ours_largest_tail_bytes="" if ours is None else int(ours[3] * scale),
                 ours_whole_bytes_per_step="" if whole is None else int(whole[0] * scale),
-                ours_whole_over_comfy="" if whole is None or comfy == 0 else round(whole[0] / comfy, 3)))
+                ours_whole_over_comfy="" if whole is None or comfy == 0 else round(whole[0] / comfy, 3),
+                per_weight_projection_over_comfy=round(per_weight_projection(template, budget) / comfy, 4)
+                if comfy else ""))
     return out
 
 
 DYNAMIC_FIELDS = ("template", "budget_fraction", "budget_bytes", "weights_bytes", "comfy_dynamic_bytes_per_step",
-                  "ours_bytes_per_step", "ours_policy", "ours_over_dynamic", "ours_largest_tail_bytes")
+                  "ours_bytes_per_step", "ours_policy", "ours_over_dynamic", "ours_largest_tail_bytes",
+                  "per_weight_projection_over_dynamic")
 
 
 def dynamic_rows(keys=None, fractions=FRACTIONS):
@@ -255,7 +288,9 @@ def dynamic_rows(keys=None, fractions=FRACTIONS):
                 weights_bytes=int(weights_bf16 * scale), comfy_dynamic_bytes_per_step=dynamic,
                 ours_bytes_per_step="" if ours is None else ours_bytes, ours_policy="" if ours is None else ours[2],
                 ours_over_dynamic="" if ours is None or dynamic == 0 else round(ours_bytes / dynamic, 3),
-                ours_largest_tail_bytes="" if ours is None else int(ours[3] * scale)))
+                ours_largest_tail_bytes="" if ours is None else int(ours[3] * scale),
+                per_weight_projection_over_dynamic=round(per_weight_projection(template, budget) * scale / dynamic, 4)
+                if dynamic else ""))
     return out
 
 

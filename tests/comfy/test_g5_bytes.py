@@ -24,6 +24,10 @@ def test_both_figures_stream_what_the_budget_leaves_and_no_less():
     whole = row["ours_whole_bytes_per_step"]
     assert weights - budget < whole <= weights - budget + 2 * 680 * 2**20
     assert ours < whole and row["ours_whole_over_comfy"] == round(whole / comfy, 3)
+    # the projection of streaming weight by weight (a ring of two of the largest weight streamed): still what B does
+    # not hold at least, and less than streamed tails
+    projected = row["per_weight_projection_over_comfy"] * comfy
+    assert weights - budget < projected < ours
 
 
 # ------------------------------------------------------------------------------ against ComfyUI 0.33's dynamic VRAM
