@@ -223,12 +223,20 @@ def per_weight_projection(template, budget_bf16: int) -> int:
         block_bytes += sum(p.numel() * p.element_size() for p in block.parameters())
     room = budget_bf16 - (sum(p.numel() * p.element_size() for p in dit.parameters()) - block_bytes)
     pieces.sort(reverse=True)
-    kept = 0
-    for k, piece in enumerate(pieces):
-        if kept + piece + 2 * (pieces[k + 1] if k + 1 < len(pieces) else 0) > room:
-            break
-        kept += piece
-    return sum(pieces) - kept
+    total, best = sum(pieces), sum(pieces)
+    # For each bound P on what streams: every larger weight resident, a ring of two P, and as many of the others
+    # resident (largest first) as the rest of the room holds
+    for bound in sorted(set(pieces)):
+        kept = sum(piece for piece in pieces if piece > bound)
+        left = room - 2 * bound - kept
+        if left < 0:
+            continue
+        for piece in pieces:
+            if piece <= bound and piece <= left:
+                kept += piece
+                left -= piece
+        best = min(best, total - kept)
+    return best
 
 
 def templates(keys=None):
