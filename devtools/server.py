@@ -182,14 +182,18 @@ class ComfyServer:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, timeout: float = 15.0) -> None:
+    def stop(self, timeout: float = 15.0) -> Optional[int]:
+        """Stop the server as Ctrl+C would (SIGINT: ComfyUI exits and runs its exit handlers), escalating to SIGTERM
+        and SIGKILL after ``timeout`` and 5 s. Returns the signal that ended it (None: it had ended already)."""
         proc, self.proc = self.proc, None
+        ended_by = None
         if proc is not None and proc.poll() is None:
             for sig, wait in ((signal.SIGINT, timeout), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
                 try:
                     os.killpg(proc.pid, sig)  # its own session: the group is ComfyUI and its children only
                 except ProcessLookupError:
                     break
+                ended_by = sig
                 try:
                     proc.wait(wait)
                     break
@@ -198,6 +202,7 @@ class ComfyServer:
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
+        return ended_by
 
     def __enter__(self) -> "ComfyServer":
         return self.start()
