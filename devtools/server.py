@@ -64,9 +64,15 @@ def execution_error(entry: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     return None
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: ask Linux to SIGTERM it when the process that started it dies (a killed test
+def _child_setup() -> None:
+    """In the child, before exec. SIGINT back to its default: a test run started in the background by a shell
+    (``cmd &`` without job control) ignores SIGINT, the child would inherit that, and Python then installs no
+    KeyboardInterrupt handler, so :meth:`ComfyServer.stop`'s Ctrl+C would do nothing and ComfyUI would end by
+    SIGTERM, without its exit handlers. And, on Linux, a SIGTERM when the process that started it dies (a killed test
     run must not leave a ComfyUI behind; the child has its own session, so no terminal signal reaches it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if not sys.platform.startswith("linux"):
+        return
     import ctypes
 
     try:
@@ -161,7 +167,7 @@ class ComfyServer:
         self._log_file.write(("\n==== " + " ".join(self.command()) + "\n").encode())
         self.proc = subprocess.Popen(self.command(), cwd=str(self.comfyui_path), env=env, stdin=subprocess.DEVNULL,
                                      stdout=self._log_file, stderr=subprocess.STDOUT, start_new_session=True,
-                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                     preexec_fn=_child_setup if os.name == "posix" else None)
         self.wait_ready(timeout)
         return self
 
