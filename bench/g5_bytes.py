@@ -24,6 +24,7 @@ device, and comfy-aimdo's page rule for what stays resident (:func:`dynamic_stre
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import sys
 from pathlib import Path
@@ -55,29 +56,37 @@ def meta_patcher(template):
     return comfy.model_patcher.ModelPatcher(model, load_device=meta, offload_device=meta)
 
 
-def comfyui_streamed_bytes(template, budget_bf16: int) -> int:
-    """Bytes ComfyUI's partial load under ``budget_bf16`` leaves to be cast every forward (bf16 figures)."""
-    import comfy.model_management
-    import torch
-
+@contextlib.contextmanager
+def weights_stay_on_meta():
+    """Newer ComfyUI (0.33) fills a meta weight it loads with real zeros (on the CPU: 16 GB at once for Flux): only
+    its accounting is wanted here, so the weights stay on the meta device while ComfyUI loads."""
     import comfy.ops
 
-    patcher = meta_patcher(template)
-    total = sum(module_mem for module_mem, *_ in patcher._load_list())
-    streams = comfy.model_management.NUM_STREAMS
-    comfy.model_management.NUM_STREAMS = 2
-    # Newer ComfyUI (0.33) fills a meta weight it loads with real zeros (on the CPU: 16 GB at once for Flux): only
-    # its accounting is wanted here, so the weights stay on the meta device.
     ops = comfy.ops.disable_weight_init
     zero_init = ops.__dict__.get("_zero_init_parameter")
     if zero_init is not None:
         ops._zero_init_parameter = staticmethod(lambda module, name: None)
     try:
-        patcher.load(torch.device("meta"), lowvram_model_memory=budget_bf16)
+        yield
     finally:
-        comfy.model_management.NUM_STREAMS = streams
         if zero_init is not None:
             ops._zero_init_parameter = zero_init
+
+
+def comfyui_streamed_bytes(template, budget_bf16: int) -> int:
+    """Bytes ComfyUI's partial load under ``budget_bf16`` leaves to be cast every forward (bf16 figures)."""
+    import comfy.model_management
+    import torch
+
+    patcher = meta_patcher(template)
+    total = sum(module_mem for module_mem, *_ in patcher._load_list())
+    streams = comfy.model_management.NUM_STREAMS
+    comfy.model_management.NUM_STREAMS = 2
+    try:
+        with weights_stay_on_meta():
+            patcher.load(torch.device("meta"), lowvram_model_memory=budget_bf16)
+    finally:
+        comfy.model_management.NUM_STREAMS = streams
     return total - patcher.model.model_loaded_weight_memory
 
 
@@ -114,7 +123,6 @@ def dynamic_load_layout(template):
     ``ModelPatcherDynamic.load`` as written (its ``_load_list(for_dynamic=True)`` order, largest weights first; the
     small ones force-loaded); only the VBAR is the recording stand-in above."""
     import comfy.model_patcher
-    import comfy.ops
     import comfy_aimdo.model_vbar
     import torch
 
@@ -127,17 +135,12 @@ def dynamic_load_layout(template):
     meta = torch.device("meta")
     patcher = comfy.model_patcher.ModelPatcherDynamic(classic.model, load_device=meta, offload_device=meta)
     vbar_class = comfy_aimdo.model_vbar.ModelVBAR
-    ops = comfy.ops.disable_weight_init
-    zero_init = ops.__dict__.get("_zero_init_parameter")
     comfy_aimdo.model_vbar.ModelVBAR = RecordingVBAR
-    if zero_init is not None:
-        ops._zero_init_parameter = staticmethod(lambda module, name: None)
     try:
-        patcher.load(meta)
+        with weights_stay_on_meta():
+            patcher.load(meta)
     finally:
         comfy_aimdo.model_vbar.ModelVBAR = vbar_class
-        if zero_init is not None:
-            ops._zero_init_parameter = zero_init
     vbar = patcher.model.dynamic_vbars[meta]
     in_vbar = {id(m) for m in patcher.model.modules() if hasattr(m, "_v")}
     outright = sum(t.numel() * t.element_size() for m in patcher.model.modules() if id(m) not in in_vbar
@@ -174,18 +177,26 @@ def scaled_allocations(allocations, scale: float):
     return placed
 
 
+def block_geometry(template):
+    """(the blocks' bytes, each block's tail options (``BlockLayout.tail_sizes``), the non-block bytes) of the
+    template's DiT, as the node's discovery and the packing see it (bf16, on the meta device)."""
+    from ..nodes import discovery
+    from ..offload.host.packing import block_parameters, plan_layout
+
+    dit = meta_patcher(template).model.diffusion_model
+    blocks = discovery.discover_blocks(dit).blocks
+    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in blocks]
+    options = [plan_layout(block_parameters(block)).tail_sizes for block in blocks]
+    non_block = sum(p.numel() * p.element_size() for p in dit.parameters()) - sum(sizes)
+    return sizes, options, non_block
+
+
 def our_plan(template, budget_bf16: int, tails: bool = True):
     """(streamed bytes, resident count, policy, largest tail) of the node's plan under ``budget_bf16`` (``tails``:
     streamed tails among the candidates); None where none fits."""
-    from ..nodes import discovery
     from ..offload import Schedule, choose_resident_blocks, largest_fitting, plan_streamed_tails
-    from ..offload.host.packing import block_parameters, plan_layout
 
-    patcher = meta_patcher(template)
-    dit = patcher.model.diffusion_model
-    found = discovery.discover_blocks(dit)
-    sizes = [sum(p.numel() * p.element_size() for p in b.parameters()) for b in found.blocks]
-    non_block = sum(p.numel() * p.element_size() for p in dit.parameters()) - sum(sizes)
+    sizes, options, non_block = block_geometry(template)
     room = budget_bf16 - non_block
     best = None
     for policy in ("leading", "strided"):
@@ -199,7 +210,6 @@ def our_plan(template, budget_bf16: int, tails: bool = True):
         if best is None or streamed < best[0]:
             best = (streamed, count, policy, 0)
     if tails:
-        options = [plan_layout(block_parameters(block)).tail_sizes for block in found.blocks]
         plan = plan_streamed_tails(sizes, options, room, prefetch_size=1)
         if plan is not None and (best is None or plan.streamed_bytes < best[0]):
             best = (plan.streamed_bytes, 0, "tails", max(plan.tails))
@@ -208,20 +218,13 @@ def our_plan(template, budget_bf16: int, tails: bool = True):
 
 def per_weight_projection(template, budget_bf16: int) -> int:
     """Bytes per step if the pack streamed weight by weight (a projection for sub-block streaming, which the
-    pack does not do): the non-block weights and then the largest weights resident, every other weight copied
-    into a ring of two slots of the largest such weight ahead of its own module. The pieces are the ones the
+    pack does not do): the non-block weights resident; for the bound P on what streams that streams least, every
+    weight larger than P resident, a ring of two slots of P, and as many of the smaller weights resident (largest
+    first) as the rest holds; every other weight copied ahead of its own module. The pieces are the ones the
     packing already has, each weight at its 256-byte alignment (the steps of ``BlockLayout.tail_sizes``)."""
-    from ..nodes import discovery
-    from ..offload.host.packing import block_parameters, plan_layout
-
-    dit = meta_patcher(template).model.diffusion_model
-    found = discovery.discover_blocks(dit)
-    pieces, block_bytes = [], 0
-    for block in found.blocks:
-        options = plan_layout(block_parameters(block)).tail_sizes
-        pieces += [b - a for a, b in zip((0,) + tuple(options), options) if b > a]
-        block_bytes += sum(p.numel() * p.element_size() for p in block.parameters())
-    room = budget_bf16 - (sum(p.numel() * p.element_size() for p in dit.parameters()) - block_bytes)
+    _, options, non_block = block_geometry(template)
+    pieces = [b - a for steps in options for a, b in zip((0,) + tuple(steps), steps) if b > a]
+    room = budget_bf16 - non_block
     pieces.sort(reverse=True)
     total, best = sum(pieces), sum(pieces)
     # For each bound P on what streams: every larger weight resident, a ring of two P, and as many of the others
