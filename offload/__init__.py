@@ -16,9 +16,10 @@ from .host.packing import block_parameters
 from .manager import LayerwiseOffloadManager
 from .memory.pinning import clear_cuda_error, return_freed_host_memory
 from .planner import (ResidencyPlan, describe, estimate_activation_bytes, format_bytes, forward_activation_bytes,
-                      plan_residency, plan_streamed_tails, streamed_tails_plan)
+                      plan_residency, plan_streamed_tails, plan_weight_units, streamed_tails_plan)
 from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
 from .stats import OffloadStats
+from .units import WeightUnits, weight_units
 from .weights import point_param_at, weight_nbytes, weight_parts
 from .plan_choice import TIMING_GPU_ENV, block_flops, choose_plan, gpu_for
 from .gpu_costs import ModelCosts, model_costs
@@ -63,6 +64,9 @@ __all__ = [
     "normalize_device",
     "plan_residency",
     "plan_streamed_tails",
+    "plan_weight_units",
+    "WeightUnits",
+    "weight_units",
     "streamed_tails_plan",
     "point_param_at",
     "remove_stale_files",

@@ -178,17 +178,74 @@ def plan_streamed_tails(block_bytes: Sequence[int], tail_options: Sequence[Seque
 
 
 def streamed_tails_plan(block_bytes: Sequence[int], tails: Sequence[int], free_bytes: int, *, reserve_bytes: int = 0,
-                        activation_bytes: int = 0, non_block_bytes: int = 0, prefetch_size: int = 1) -> ResidencyPlan:
-    """The plan that streams ``tails`` (per block, its tail's bytes) of every block, and whether it fits."""
+                        activation_bytes: int = 0, non_block_bytes: int = 0, prefetch_size: int = 1,
+                        resident_count: int = 0) -> ResidencyPlan:
+    """The plan that keeps the first ``resident_count`` blocks resident and streams ``tails`` (per block, its tail's
+    bytes) of every other block, and whether it fits."""
     n = len(block_bytes)
-    plan = footprint(block_bytes, (False,) * n, prefetch_size, tails)
+    resident = choose_resident_blocks(n, resident_count, "leading")
+    plan = footprint(block_bytes, resident, prefetch_size, tails)
     need = plan.total + activation_bytes + reserve_bytes + non_block_bytes
     return ResidencyPlan(
-        num_blocks=n, resident_count=0, resident=(False,) * n, resident_bytes=0, streamed_bytes=plan.streamed_bytes,
-        slot_bytes=plan.slot_bytes, slot_count=plan.slot_count, activation_bytes=activation_bytes,
-        reserve_bytes=reserve_bytes, non_block_bytes=non_block_bytes, free_bytes=free_bytes, required_bytes=need,
-        headroom_bytes=free_bytes - need, fits=need <= free_bytes, policy="leading", prefetch_size=int(prefetch_size),
-        head_bytes=plan.head_bytes, tails=tuple(tails))
+        num_blocks=n, resident_count=resident_count, resident=resident, resident_bytes=plan.resident_bytes,
+        streamed_bytes=plan.streamed_bytes, slot_bytes=plan.slot_bytes, slot_count=plan.slot_count,
+        activation_bytes=activation_bytes, reserve_bytes=reserve_bytes, non_block_bytes=non_block_bytes,
+        free_bytes=free_bytes, required_bytes=need, headroom_bytes=free_bytes - need, fits=need <= free_bytes,
+        policy="leading", prefetch_size=int(prefetch_size), head_bytes=plan.head_bytes, tails=tuple(tails))
+
+
+def plan_weight_units(unit_bytes: Sequence[int], tail_options: Sequence[Sequence[int]], free_bytes: int, *,
+                      reserve_bytes: int = 0, activation_bytes: int = 0, non_block_bytes: int = 0,
+                      prefetch_size: int = 1, tries: int = 64) -> Optional[ResidencyPlan]:
+    """The plan that streams the fewest bytes per step over weight units (``offload/units.py``), where a streamed
+    piece is one module's weights, not a block's: None when none fits.
+
+    For a bound ``P`` on the largest streamed tail, a unit whose smallest tail is over ``P`` (a bias-free Linear
+    larger than ``P``) cannot stream and stays resident: the units are expected with those first
+    (:meth:`WeightUnits.residents_first`), so they are the leading ``resident_count``. Every other unit streams a
+    tail of at most ``P`` (a Linear streams its bias, or its bias and weight); then, while the others still cover
+    what the room lacks, the next units stay resident too, and the tails are lowered as in
+    :func:`plan_streamed_tails` until they just cover it. Over the ``tries`` smallest bounds
+    that fit, the plan that streams the fewest bytes wins. The slots cost two pieces of at most ``P``, not two
+    blocks: with many units this streams little more than the deficit itself."""
+    sizes = [_check_bytes(f"unit_bytes[{i}]", s) for i, s in enumerate(unit_bytes)]
+    if len(tail_options) != len(sizes):
+        raise ValueError(f"tail_options has {len(tail_options)} units, unit_bytes {len(sizes)}")
+    room = free_bytes - activation_bytes - reserve_bytes - non_block_bytes
+    n, total = len(sizes), sum(sizes)
+    best = None
+    left = tries
+    for bound in sorted({t for options in tail_options for t in options}):
+        count = max((i + 1 for i, options in enumerate(tail_options) if options[0] > bound), default=0)
+        if count == n:
+            continue
+        tails = list(sizes[:count]) + [tail_within(options, bound) for options in tail_options[count:]]
+        slots = min(prefetch_size + 1, n - count)
+        need = total + slots * max(tails[count:]) - room
+        excess = sum(tails[count:]) - need
+        if excess < 0:
+            continue
+        # More of the leading units resident while the rest still covers the deficit: a unit that can stream only
+        # whole (a bias-free Linear, a norm) would otherwise move every byte of it for nothing.
+        while n - count > slots and tails[count] <= excess:
+            excess -= tails[count]
+            tails[count] = sizes[count]
+            count += 1
+        for i in sorted(range(count, n), key=lambda i: tails[i] - tail_options[i][0], reverse=True):
+            lower = next(t for t in tail_options[i] if tails[i] - t <= excess)
+            excess -= tails[i] - lower
+            tails[i] = lower
+        plan = footprint(sizes, choose_resident_blocks(n, count, "leading"), prefetch_size, tails)
+        if plan.total <= room and (best is None or plan.streamed_bytes < best[0].streamed_bytes):
+            best = (plan, tails, count)
+        left -= 1
+        if left == 0:
+            break
+    if best is None:
+        return None
+    return streamed_tails_plan(sizes, best[1], free_bytes, reserve_bytes=reserve_bytes,
+                               activation_bytes=activation_bytes, non_block_bytes=non_block_bytes,
+                               prefetch_size=prefetch_size, resident_count=best[2])
 
 
 @dataclass(frozen=True)
