@@ -13,7 +13,8 @@ largest tail: ``plan_streamed_tails``); every streamed block (or tail) moves eve
 figure is kept beside it (``ours_whole_*``), the plan before streamed tails. One forward per step (cond and uncond batched). fp8 and GGUF templates scale every module by their bytes
 per weight (uniform: the ratios are the bf16 ones).
 
-``per_weight_projection_*`` projects what streaming weight by weight would give (the pack streams whole tails).
+``ours_weight_units_*`` is the engine's plan over weight units (``offload/units.py``: each module that owns weights
+streams on its own, a ring of two pieces of at most one weight): what streaming weight by weight moves.
 ``--dynamic`` (on ComfyUI 0.33+) sets the same plans against 0.33's dynamic VRAM: its own dynamic load on the meta
 device, and comfy-aimdo's page rule for what stays resident (:func:`dynamic_streamed_bytes`).
 
@@ -38,7 +39,8 @@ from ..devtools import comfy_env, dit_presets, template_memory  # noqa: E402
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 FIELDS = ("template", "budget_fraction", "budget_bytes", "weights_bytes", "comfy_lowvram_bytes_per_step",
           "ours_bytes_per_step", "ours_resident", "ours_policy", "ours_over_comfy", "ours_largest_tail_bytes",
-          "ours_whole_bytes_per_step", "ours_whole_over_comfy", "per_weight_projection_over_comfy")
+          "ours_whole_bytes_per_step", "ours_whole_over_comfy", "ours_weight_units_bytes_per_step",
+          "ours_weight_units_over_comfy", "ours_weight_units_largest_tail_bytes")
 
 
 def meta_patcher(template):
@@ -216,30 +218,32 @@ def our_plan(template, budget_bf16: int, tails: bool = True):
     return best
 
 
-def per_weight_projection(template, budget_bf16: int) -> int:
-    """Bytes per step if the pack streamed weight by weight (a projection for sub-block streaming, which the
-    pack does not do): the non-block weights resident; for the bound P on what streams that streams least, every
-    weight larger than P resident, a ring of two slots of P, and as many of the smaller weights resident (largest
-    first) as the rest holds; every other weight copied ahead of its own module. The pieces are the ones the
-    packing already has, each weight at its 256-byte alignment (the steps of ``BlockLayout.tail_sizes``)."""
-    _, options, non_block = block_geometry(template)
-    pieces = [b - a for steps in options for a, b in zip((0,) + tuple(steps), steps) if b > a]
-    room = budget_bf16 - non_block
-    pieces.sort(reverse=True)
-    total, best = sum(pieces), sum(pieces)
-    # For each bound P on what streams: every larger weight resident, a ring of two P, and as many of the others
-    # resident (largest first) as the rest of the room holds
-    for bound in sorted(set(pieces)):
-        kept = sum(piece for piece in pieces if piece > bound)
-        left = room - 2 * bound - kept
-        if left < 0:
-            continue
-        for piece in pieces:
-            if piece <= bound and piece <= left:
-                kept += piece
-                left -= piece
-        best = min(best, total - kept)
-    return best
+def unit_geometry(template):
+    """(each weight unit's bytes, its tail options, the non-unit bytes) of the template's DiT: the units of the
+    blocks the node discovers (``offload/units.py``), residents first, bf16 on the meta device. What no unit
+    streams (non-block weights, parameters of modules with weighted children) is counted as placed first."""
+    from ..nodes import discovery
+    from ..offload.units import weight_units
+
+    dit = meta_patcher(template).model.diffusion_model
+    units = weight_units(discovery.discover_blocks(dit).blocks).residents_first()
+    sizes, options = units.geometry()
+    return sizes, options, sum(p.numel() * p.element_size() for p in dit.parameters()) - sum(sizes)
+
+
+def our_unit_plan(template, budget_bf16: int):
+    """(streamed bytes, resident units, units, largest tail) of the engine's plan over weight units under
+    ``budget_bf16`` (``plan_weight_units``, prefetch 1: each unit streams while the one before it computes); None
+    where none fits. The manager arms this plan as it is (tests/comfy/test_weight_units.py runs it on every tiny
+    family); the node does not offer it yet."""
+    from ..offload import plan_weight_units
+
+    sizes, options, rest = unit_geometry(template)
+    plan = plan_weight_units(sizes, options, budget_bf16 - rest, prefetch_size=1)
+    if plan is None:
+        return None
+    streamed = [tail for tail, keep in zip(plan.tails, plan.resident) if not keep]
+    return plan.streamed_bytes, plan.resident_count, len(sizes), max(streamed)
 
 
 def templates(keys=None):
@@ -253,6 +257,17 @@ def templates(keys=None):
         weights_bf16 = sum(module_mem for module_mem, *_ in patcher._load_list())
         del patcher
         yield template, weights_bf16, template.stored_bytes / 2
+
+
+def unit_columns(template, budget_bf16: int, scale: float, comfy_bf16: float, against: str) -> dict:
+    """The ``ours_weight_units_*`` columns of a row; ``comfy_bf16``: ComfyUI's bytes at bf16."""
+    plan = our_unit_plan(template, budget_bf16)
+    if plan is None:
+        return {"ours_weight_units_bytes_per_step": "", f"ours_weight_units_over_{against}": "",
+                "ours_weight_units_largest_tail_bytes": ""}
+    return {"ours_weight_units_bytes_per_step": int(plan[0] * scale),
+            f"ours_weight_units_over_{against}": round(plan[0] / comfy_bf16, 4) if comfy_bf16 else "",
+            "ours_weight_units_largest_tail_bytes": int(plan[3] * scale)}
 
 
 def rows(keys=None, fractions=FRACTIONS):
@@ -272,14 +287,14 @@ def rows(keys=None, fractions=FRACTIONS):
                 ours_largest_tail_bytes="" if ours is None else int(ours[3] * scale),
                 ours_whole_bytes_per_step="" if whole is None else int(whole[0] * scale),
                 ours_whole_over_comfy="" if whole is None or comfy == 0 else round(whole[0] / comfy, 3),
-                per_weight_projection_over_comfy=round(per_weight_projection(template, budget) / comfy, 4)
-                if comfy else ""))
+                **unit_columns(template, budget, scale, comfy, "comfy")))
     return out
 
 
 DYNAMIC_FIELDS = ("template", "budget_fraction", "budget_bytes", "weights_bytes", "comfy_dynamic_bytes_per_step",
                   "ours_bytes_per_step", "ours_policy", "ours_over_dynamic", "ours_largest_tail_bytes",
-                  "per_weight_projection_over_dynamic")
+                  "ours_weight_units_bytes_per_step", "ours_weight_units_over_dynamic",
+                  "ours_weight_units_largest_tail_bytes")
 
 
 def dynamic_rows(keys=None, fractions=FRACTIONS):
@@ -300,8 +315,7 @@ def dynamic_rows(keys=None, fractions=FRACTIONS):
                 ours_bytes_per_step="" if ours is None else ours_bytes, ours_policy="" if ours is None else ours[2],
                 ours_over_dynamic="" if ours is None or dynamic == 0 else round(ours_bytes / dynamic, 3),
                 ours_largest_tail_bytes="" if ours is None else int(ours[3] * scale),
-                per_weight_projection_over_dynamic=round(per_weight_projection(template, budget) * scale / dynamic, 4)
-                if dynamic else ""))
+                **unit_columns(template, budget, scale, dynamic / scale, "dynamic")))
     return out
 
 

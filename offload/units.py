@@ -7,9 +7,17 @@ units instead of the blocks, the manager runs unchanged: its pre/post hooks fire
 which is the code that reads the unit's weights, and its call-order learning, prefetch window, slot ring and
 streamed tails (a Linear streams its bias and keeps its weight, or streams both) work per unit.
 
-A parameter owned directly by a module that also has weighted children (Wan's ``modulation``, LTXV's
-``scale_shift_table``) is read by that module's forward around its children's: no unit's hooks cover it, so it is
-left out, to stay on the device with the model's non-block weights (:meth:`WeightUnits.place_rest`).
+Two kinds of weights are left out, to stay on the device with the model's non-block weights
+(:meth:`WeightUnits.place_rest`):
+
+- a parameter owned directly by a module that also has weighted children (Wan's ``modulation``, LTXV's
+  ``scale_shift_table``): that module's forward reads it around its children's, where no unit's hooks are;
+- a module whose weights are all vectors (a norm's scale): parents read these without calling the module, for a
+  fused kernel (ComfyUI 0.33's Lumina reads its q/k norms' scales through ``cast_bias_weight`` inside the
+  attention's forward), and they are a few KiB a block.
+
+A module whose weights its parent reads in any other way than by calling it would read released weights: a unit
+must be called to be used.
 """
 
 from __future__ import annotations
@@ -28,6 +36,10 @@ def _owns_weights(module: nn.Module) -> bool:
     return next(module.parameters(recurse=False), None) is not None
 
 
+def _only_vectors(module: nn.Module) -> bool:
+    return all(param.dim() <= 1 for param in module.parameters(recurse=False))
+
+
 def _has_weighted_children(module: nn.Module) -> bool:
     return any(next(child.parameters(), None) is not None for child in module.children())
 
@@ -40,7 +52,7 @@ class WeightUnits:
     units: Tuple[nn.Module, ...]
     names: Tuple[str, ...]  # "<block>.<module path>", for log lines and errors
     block_of: Tuple[int, ...]  # per unit, the index of its block
-    left_out: Tuple[Tuple[str, nn.Parameter], ...]  # owned by a module with weighted children: not streamed
+    left_out: Tuple[Tuple[str, nn.Parameter], ...]  # not streamed: see the module's docstring
     blocks: Tuple[nn.Module, ...]
 
     def __len__(self) -> int:
@@ -81,7 +93,7 @@ class WeightUnits:
 
 
 def weight_units(blocks: Sequence[nn.Module]) -> WeightUnits:
-    """The modules of ``blocks`` that own weights and have no weighted children, one unit each.
+    """The modules of ``blocks`` that own weights, not only vectors, and have no weighted children, one unit each.
 
     Raises ``ValueError`` when a block has no unit at all (a block whose only weights are its own: stream it
     whole instead) or when a module appears in two blocks."""
@@ -99,7 +111,7 @@ def weight_units(blocks: Sequence[nn.Module]) -> WeightUnits:
                 raise ValueError(f"[layerwise-offload] module {index}.{path or '<block>'} belongs to two blocks: "
                                  "pass each block once")
             seen.add(id(module))
-            if _has_weighted_children(module):
+            if _has_weighted_children(module) or _only_vectors(module):
                 left_out.extend((f"{index}.{path + '.' if path else ''}{name}", param)
                                 for name, param in module.named_parameters(recurse=False))
                 continue

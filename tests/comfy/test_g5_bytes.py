@@ -24,10 +24,11 @@ def test_both_figures_stream_what_the_budget_leaves_and_no_less():
     whole = row["ours_whole_bytes_per_step"]
     assert weights - budget < whole <= weights - budget + 2 * 680 * 2**20
     assert ours < whole and row["ours_whole_over_comfy"] == round(whole / comfy, 3)
-    # the projection of streaming weight by weight (a ring of two of the largest weight streamed): still what B does
-    # not hold at least, and less than streamed tails
-    projected = row["per_weight_projection_over_comfy"] * comfy
-    assert weights - budget < projected < ours
+    # weight units (each module's weights stream on their own): what B does not hold plus two of the largest tail
+    # streamed (a weight, not a block), less than streamed tails and than ComfyUI's own partial loading
+    units, unit_tail = row["ours_weight_units_bytes_per_step"], row["ours_weight_units_largest_tail_bytes"]
+    assert unit_tail < tail and weights - budget < units <= weights - budget + 2 * unit_tail + 64 * 2**20
+    assert units < ours and units <= comfy and row["ours_weight_units_over_comfy"] == round(units / comfy, 4)
 
 
 # ------------------------------------------------------------------------------ against ComfyUI 0.33's dynamic VRAM

@@ -33,7 +33,9 @@ def test_weight_units_sample_bitwise_and_move_fewer_bytes_than_whole_tails(famil
     units = weight_units(blocks).residents_first()
     unit_sizes, unit_options = units.geometry()
     block_sizes, block_options = geometry(blocks)
-    assert sum(unit_sizes) + units.left_out_nbytes() == sum(block_sizes)
+    def nbytes(modules):
+        return sum(p.numel() * p.element_size() for module in modules for p in module.parameters())
+    assert nbytes(units.units) + units.left_out_nbytes() == nbytes(blocks)
     room = int(0.6 * sum(block_sizes)) - units.left_out_nbytes()
     plan = plan_weight_units(unit_sizes, unit_options, room)
     whole_tails = plan_streamed_tails(block_sizes, block_options, room + units.left_out_nbytes(), tries=64)

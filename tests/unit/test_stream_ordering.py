@@ -16,6 +16,7 @@ import torch
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
 from layerwise_offload.offload.device.backend import StreamBackend
+from layerwise_offload.offload.units import weight_units
 
 STREAMS = ("compute", "copy", "transform")
 
@@ -156,23 +157,28 @@ def halve_on_the_device(fake, backend):
 
 
 def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, transform=False, before=None,
-                forwards=3, tails=0):
+                forwards=3, tails=0, units=False):
     """Three forwards under the race checker; returns the backend with its copies and where they were issued.
     ``transform``: an after-copy transform halves every block's weights on the "device" as it is copied in.
-    ``before(k, manager, backend)`` runs before forward ``k`` (a replan, say), ``forwards`` of them."""
+    ``before(k, manager, backend)`` runs before forward ``k`` (a replan, say), ``forwards`` of them. ``units``: the
+    manager streams the blocks' weight units (offload/units.py), not the blocks."""
+    def streamed_modules(model):
+        blocks = model.blocks_in_call_order()
+        return list(weight_units(blocks).units) if units else blocks
+
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     reference = ToyTransformer()
     reference.order = order
     with torch.no_grad():
         if transform:
-            for param in (p for block in reference.blocks_in_call_order() for p in block.parameters()):
+            for param in (p for block in streamed_modules(reference) for p in block.parameters()):
                 param.mul_(0.5)
         want = reference(x)
     model = ToyTransformer()
     model.order = order
     fake = FakeCudaModule()
     FakeStream.waits = []
-    manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
+    manager = LayerwiseOffloadManager(streamed_modules(model), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy, pin_memory=pinning != "pageable",
                                       streamed_tail_bytes=tails,
                                       environment=HostEnvironment(pinner=PINNING[pinning],
@@ -209,7 +215,7 @@ def run_checked(resident, prefetch, policy, order, pinning, backend_class=None, 
             reads.append((index, spans, start, fake.compute.tick(), len(backend.writes)))
         return hook
 
-    for index, block in enumerate(model.blocks_in_call_order()):
+    for index, block in enumerate(streamed_modules(model)):
         block.register_forward_pre_hook(read_start(index))  # after the manager's: sees the waits it issued
         block.register_forward_hook(read_end(index), prepend=True)  # before the manager's release
     with torch.no_grad():
@@ -368,3 +374,19 @@ def test_streamed_tails_are_ordered_like_whole_blocks(resident, prefetch, policy
     assert set(manager.device_memory.heads) == set(streamed)
     if transform:
         assert len(backend.transform_writes) == len(backend.writes)  # heads and tails: each transformed once
+
+
+@pytest.mark.parametrize("transform", [False, True])
+@pytest.mark.parametrize("pinning", ["pinned", "pageable"])
+@pytest.mark.parametrize("resident, prefetch, policy, order", [(0, 1, "leading", None), (5, 2, "strided", None),
+                                                               (3, 1, "leading", [6, 5, 4, 3, 2, 1, 0])])
+@pytest.mark.parametrize("tails", [0, 600])
+def test_weight_units_are_ordered_like_blocks(resident, prefetch, policy, order, pinning, transform, tails):
+    """Each module that owns weights streamed on its own (offload/units.py), whole or its tail (a Linear's bias): no
+    unit reads before its copy or its transform, no copy lands in a unit's memory while it runs; the output after
+    three forwards is the reference's (asserted by run_checked)."""
+    manager, backend = run_checked(resident, prefetch, policy, order, pinning, transform=transform, tails=tails,
+                                   units=True)
+    assert manager.num_blocks == 3 * 7
+    if transform:
+        assert len(backend.transform_writes) == len(backend.writes)
