@@ -115,3 +115,16 @@ def test_the_manager_runs_the_plan_bitwise_and_moves_only_its_tails(fraction):
         assert manager.device_bytes() == plan.required_bytes
     finally:
         manager.detach()
+
+
+def test_the_plan_trades_weights_of_two_sizes_to_leave_almost_no_room_unused():
+    """Ten FFN-like units (a 141-byte weight, a 1-byte bias) and twenty attention-like ones (52 + 1): the tails can
+    sum only to 30 + 141a + 52b. Greedy lowering leaves up to a weight of room unused; trading one FFN weight for
+    attention weights gets within 3 bytes of the room (a = 9, b = 9), the best any choice can do."""
+    options = [(1, 142)] * 10 + [(1, 53)] * 20
+    sizes = [opts[-1] for opts in options]
+    plan = plan_weight_units(sizes, options, 1000)
+    assert plan.fits and plan.resident_count == 0
+    assert 0 <= plan.headroom_bytes <= 3
+    streamed = sorted(plan.tails)
+    assert streamed.count(142) * 141 + streamed.count(53) * 52 + 30 == plan.streamed_bytes
