@@ -24,16 +24,17 @@ import comfy.patcher_extension
 from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, available_host_bytes, block_parameters,
                        block_width, choose_resident_blocks, cuda_graph_refusal, describe, format_bytes,
                        forward_activation_bytes, largest_fitting, normalize_device, plan_residency, plan_streamed_tails,
+                       plan_weight_units,
                        point_param_at, return_freed_host_memory, streamed_tails_plan, weight_nbytes)
 from ..offload import SETTINGS, block_flops, choose_plan, gpu_for, model_costs
 from .advice import activation_words, recommend
 from .device_support import device_support
-from .discovery import DiscoveredBlocks, discover_blocks
+from .discovery import DiscoveredBlocks, as_weight_units, discover_blocks
 from .dynamic_vram import non_dynamic_patcher, watch_clones
 from .host_ram import compact_backups, comfyui_host_environment, packing_progress_bar
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
 from .load_decisions import apply_cast_decisions, comfyui_load_decisions
-from .offload_node import AUTO_POLICY, AUTO_RESIDENT, DISPLAY_NAME, host_store_problem
+from .offload_node import AUTO_POLICY, AUTO_RESIDENT, DISPLAY_NAME, WEIGHTS_POLICY, host_store_problem
 from .patcher import make_offloaded_clone
 from .run_report import run_report
 from .stats_view import PASSTHROUGH_ATTACHMENT
@@ -59,13 +60,18 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     if problem is not None:
         raise ValueError(f"[layerwise-offload] {problem}")
     auto = resident_layers == AUTO_RESIDENT
+    weights = residency_policy == WEIGHTS_POLICY
+    if weights and not auto:
+        raise ValueError(f"[layerwise-offload] residency_policy = weights plans what stays in VRAM itself, at each "
+                         f"run's first step: set resident_layers to -1 (auto), not {resident_layers}")
     if auto:
         resident_layers = 0  # until the first forward, when the free VRAM and the latent are known
     # Page-locking only speeds up copies to an accelerator; on the CPU loopback it would only warn.
     pin = bool(pin_memory) and not comfy.model_management.is_device_cpu(model.load_device)
     auto_setting = residency_policy == AUTO_POLICY
     config = OffloadConfig(resident_layers=resident_layers, prefetch_size=prefetch_size,
-                           policy="leading" if auto_setting else residency_policy, pin_memory=pin, host_store=host_store)
+                           policy="leading" if auto_setting or weights else residency_policy, pin_memory=pin,
+                           host_store=host_store)
     discover_blocks(model.get_model_object("diffusion_model"))  # a non-DiT fails here, before anything else
     support = device_support(model.load_device)
     if not support.offloads:
@@ -74,6 +80,8 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     base_model = model.model
     diffusion_model = model.get_model_object("diffusion_model")
     discovered = discover_blocks(diffusion_model)
+    if weights:
+        discovered = as_weight_units(discovered)
     controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto,
                                    auto_setting=auto_setting)
     # Planned under this output's settings: the shared manager may still hold another output's.
@@ -82,8 +90,10 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
         f"residency_policy={residency_policy}, pin_memory={pin_memory}, host_store={host_store}"))
     if refusal is not None:  # here, so ComfyUI reports it against this node and its settings, not the sampler
         raise MemoryError(refusal)
-    log.info("[layerwise-offload] %s (%s): %d blocks in %s; plan: %s resident, prefetch %d, %s, %s, host_store=%s",
-             type(diffusion_model).__name__, discovered.family, len(discovered), "+".join(discovered.attributes),
+    log.info("[layerwise-offload] %s (%s): %d %s in %s; plan: %s resident, prefetch %d, %s, %s, host_store=%s",
+             type(diffusion_model).__name__, discovered.family, len(discovered),
+             f"weight units of {len(discovered.whole_blocks)} blocks" if weights else "blocks",
+             "+".join(discovered.attributes),
              "auto" if auto else config.resident_count(len(discovered)), prefetch_size,
              residency_policy, "pinned RAM" if pin else "CPU loopback: nothing to pin" if support.device_type == "cpu"
              else "pin_memory off", host_store)
@@ -107,7 +117,11 @@ def passed_through(model, support):
 def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
                    config: OffloadConfig) -> LayerwiseOffloadManager:
     manager = _MANAGERS.get(diffusion_model)
-    if manager is None or manager.device != normalize_device(torch.device(device)):
+    # Another output streams this model by blocks where this one streams weight units, or the other way round:
+    # one manager at a time holds the parameters
+    same_modules = manager is not None and len(manager.blocks) == len(discovered.blocks) and all(
+        a is b for a, b in zip(manager.blocks, discovered.blocks))
+    if manager is None or not same_modules or manager.device != normalize_device(torch.device(device)):
         if manager is not None:
             manager.detach()
         made: List[weakref.ref] = []  # the probe reads the manager weakly: ComfyUI frees it by reference count
@@ -369,6 +383,9 @@ class OffloadController:
                                   activation_bytes=activations.nbytes + self.device_lora_scratch,
                                   prefetch_size=prefetch, policy=policy, max_resident=max_resident)
         plans = {setting: plan_for(*setting) for setting in settings}
+        if self.discovered.streams_weights:
+            self._plan_weight_units(sizes, free, reserve, activations, plans[settings[0]], x)
+            return
         if self.auto:
             candidates = [(policy, prefetch, plan.resident_count) for (policy, prefetch), plan in plans.items()
                           if plan.fits]
@@ -419,6 +436,32 @@ class OffloadController:
             changes["streamed_tail_bytes"] = plan.tails or 0
         self.last_activations = activations
         self.config = dataclasses.replace(self.config, **changes)
+
+    def _plan_weight_units(self, sizes, free: int, reserve: int, activations, whole_blocks, x) -> None:
+        """residency_policy weights: the plan over weight units that streams the fewest bytes in what is free
+        (``plan_weight_units``) at the node's prefetch depth; where none fits, every unit streamed (the plan then says
+        by how much it is short, as auto's does)."""
+        plan = plan_weight_units(sizes, self.manager.tail_options(), free, reserve_bytes=reserve,
+                                 activation_bytes=activations.nbytes + self.device_lora_scratch,
+                                 prefetch_size=self.config.prefetch_size)
+        if plan is None:
+            plan = whole_blocks
+        if plan != self.last_plan:
+            streamed = [tail for tail, keep in zip(plan.tails or sizes, plan.resident) if not keep]
+            log.info("[layerwise-offload] weights plan: %d of %d weight units stream (%s a step, at most %s a unit), "
+                     "%s in VRAM, slots %s, %s; activations %s (%s, %d tokens x %d)",
+                     sum(1 for t in streamed if t), len(sizes), format_bytes(plan.streamed_bytes),
+                     format_bytes(max(streamed, default=0)),
+                     format_bytes(plan.resident_bytes + plan.head_bytes), format_bytes(plan.slot_bytes),
+                     f"headroom {format_bytes(plan.headroom_bytes)}" if plan.fits
+                     else f"does not fit: short by {format_bytes(-plan.headroom_bytes)}",
+                     format_bytes(activations.nbytes), activation_words(activations.source), activations.tokens,
+                     x.shape[0])
+        self.last_plan = plan
+        self.last_choice = ("leading", self.config.prefetch_size, plan.resident_count, plan.tails)
+        self.last_activations = activations
+        self.config = dataclasses.replace(self.config, policy="leading", resident_layers=plan.resident_count,
+                                          streamed_tail_bytes=plan.tails or 0)
 
     def _held_if_close(self, plan, plan_for):
         """Auto's hysteresis: the plan the manager holds now when the new one would only add
@@ -484,7 +527,7 @@ class OffloadController:
         return max(2, dtype.itemsize) if isinstance(dtype, torch.dtype) else x.element_size()
 
     def _hidden_size(self) -> int:
-        return block_width(self.discovered.blocks[0])
+        return block_width(self.discovered.whole_blocks[0])
 
     @contextmanager
     def forward(self, patcher, x: Optional[torch.Tensor] = None):
@@ -507,7 +550,10 @@ class OffloadController:
         """This output's offload for a clone that holds another model object (newer ComfyUI's
         ``clone(model_override=...)``, its multi-GPU copies): the same settings over that model's blocks."""
         diffusion_model = patcher.model.diffusion_model
-        controller = OffloadController(patcher.model, discover_blocks(diffusion_model), patcher.load_device,
+        discovered = discover_blocks(diffusion_model)
+        if self.discovered.streams_weights:
+            discovered = as_weight_units(discovered)
+        controller = OffloadController(patcher.model, discovered, patcher.load_device,
                                        self.config, auto=self.auto, auto_setting=self.auto_setting)
         log.info("[layerwise-offload] ComfyUI cloned the offloaded model with another model object; that clone "
                  "gets an offload of its own (%d blocks)", controller.manager.num_blocks)

@@ -7,6 +7,8 @@ from typing import List, Tuple
 
 from torch import nn
 
+from ..offload import weight_units
+
 # (families, block-list attributes on the diffusion model in call order). The first entry whose
 # first attribute is a non-empty ModuleList wins; later attributes are taken when present.
 BLOCK_LAYOUTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
@@ -33,6 +35,18 @@ class DiscoveredBlocks:
     attributes: Tuple[str, ...]
     blocks: Tuple[nn.Module, ...]
     prefixes: Tuple[str, ...]  # state-dict prefix of each block inside the diffusion model
+    # With residency_policy weights, ``blocks`` are the weight units of the transformer blocks (offload/units.py),
+    # and these the transformer blocks themselves
+    transformer_blocks: Tuple[nn.Module, ...] = ()
+
+    @property
+    def streams_weights(self) -> bool:
+        return bool(self.transformer_blocks)
+
+    @property
+    def whole_blocks(self) -> Tuple[nn.Module, ...]:
+        """The transformer blocks, whatever is streamed."""
+        return self.transformer_blocks or self.blocks
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -64,3 +78,13 @@ def discover_blocks(diffusion_model: nn.Module) -> DiscoveredBlocks:
         f"{type(diffusion_model).__name__} is not a supported diffusion transformer: none of its "
         f"attributes is a transformer block list this pack knows. Supported families: {SUPPORTED_FAMILIES}. "
         f"UNet models (SD1.5, SDXL) have no block list to stream; use ComfyUI's own memory management for them.")
+
+
+def as_weight_units(discovered: DiscoveredBlocks) -> DiscoveredBlocks:
+    """``discovered`` with its blocks' weight units in place of the blocks (residents first, as the planner wants
+    them); each unit's state-dict prefix is its block's and its path in the block."""
+    units = weight_units(discovered.blocks).residents_first()
+    prefixes = tuple(discovered.prefixes[block] + (name.split(".", 1)[1] + "." if "." in name else "")
+                     for name, block in zip(units.names, units.block_of))
+    return DiscoveredBlocks(discovered.family, discovered.attributes, units.units, prefixes,
+                            transformer_blocks=discovered.blocks)

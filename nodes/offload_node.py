@@ -34,7 +34,11 @@ TOOLTIPS = {
         "auto (the default): at the first step of each run, the policy and prefetch depth this card is predicted "
         "to run fastest with (a timing model of its copies and compute; on an unknown device, leading). leading: "
         "the first blocks stay resident. strided: the streamed blocks are spread evenly over the step, so each "
-        "copy overlaps resident compute."),
+        "copy overlaps resident compute. weights: each layer's weights stream on their own instead of whole "
+        "blocks, planned at each run's first step from the free VRAM (resident_layers must be -1): the fewest "
+        "bytes a step of all, in less VRAM than whole blocks need. Predicted as fast for Wan, HunyuanVideo and on "
+        "smaller cards; up to 1.4x slower for Flux and Qwen-Image on fast cards, where copies take about as long "
+        "as the compute."),
     "pin_memory": (
         "Page-lock the host copy of the blocks for fast asynchronous copies. Turn off when system RAM "
         "is short; copies get slower."),
@@ -50,7 +54,8 @@ TOOLTIPS = {
 
 AUTO_RESIDENT = -1  # resident_layers value that asks for the automatic plan
 AUTO_POLICY = "auto"
-NODE_POLICIES = (AUTO_POLICY,) + tuple(POLICIES)
+WEIGHTS_POLICY = "weights"  # stream weight by weight (offload/units.py): the fewest bytes a step, auto-planned
+NODE_POLICIES = (AUTO_POLICY,) + tuple(POLICIES) + (WEIGHTS_POLICY,)
 DEFAULTS = {"resident_layers": AUTO_RESIDENT, "prefetch_size": 1, "residency_policy": AUTO_POLICY, "pin_memory": True,
             "host_store": "auto"}
 MAX_RESIDENT_LAYERS = 4096
@@ -105,4 +110,4 @@ def remove_stale_disk_files() -> int:
 
 
 __all__ = ["offload_stats", "stats_ui", "residency_policy_problem", "host_store_problem", "HOST_STORES", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
-           "POLICIES", "NODE_POLICIES", "AUTO_POLICY", "AUTO_RESIDENT", "CPU_LOOPBACK_ENV"]
+           "POLICIES", "NODE_POLICIES", "AUTO_POLICY", "WEIGHTS_POLICY", "AUTO_RESIDENT", "CPU_LOOPBACK_ENV"]

@@ -8,7 +8,7 @@ import torch
 import comfy.model_management as mm
 
 from layerwise_offload.devtools import tiny_dits
-from layerwise_offload.offload import apply_layerwise_offload, plan_streamed_tails, plan_weight_units
+from layerwise_offload.offload import apply_layerwise_offload, plan_residency, plan_streamed_tails, plan_weight_units
 from layerwise_offload.offload.host.packing import block_parameters, plan_layout
 from layerwise_offload.offload.units import weight_units
 
@@ -75,3 +75,89 @@ def test_weight_units_of_flux_bitwise_for_whole_units(policy, prefetch):
             mm.unload_all_models()
     finally:
         manager.detach()
+
+
+# ------------------------------------------------------------------------------ through the node
+@pytest.fixture
+def free_memory(monkeypatch):
+    """ComfyUI's free-memory figure, set per run; the loopback plans from it, not from the host's RAM."""
+    from layerwise_offload.nodes import controller as controller_module
+    free = [2 ** 40]
+    monkeypatch.setattr(mm, "get_free_memory",
+                        lambda dev=None, torch_free_too=False: (free[0], free[0]) if torch_free_too else free[0])
+    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)
+    yield free
+    mm.unload_all_models()
+
+
+def overhead(family):
+    from layerwise_offload.offload.planner import forward_activation_bytes
+    patcher = tiny_dits.build_tiny(family)
+    from layerwise_offload.nodes.discovery import discover_blocks
+    from layerwise_offload.offload import block_width
+    width = block_width(discover_blocks(patcher.get_model_object("diffusion_model")).blocks[0])
+    latent = tiny_dits.TINY_FAMILIES[family].latent_shape
+    cls = type(patcher.get_model_object("diffusion_model")).__name__
+    per_channel = 1
+    for n in latent[2:]:
+        per_channel *= n
+    activations = forward_activation_bytes(cls, width, per_channel, batch=2 * latent[0], dtype_bytes=4,
+                                           latent_channels=latent[1]).nbytes
+    return int(mm.minimum_inference_memory()) + activations
+
+
+@pytest.mark.parametrize("family, lora", [("flux", False), ("wan21", False), ("wan21", True), ("qwen_image", False),
+                                          ("lumina2", False)])
+def test_the_node_streams_weight_units_bitwise_within_the_free_vram(free_memory, family, lora):
+    """residency_policy weights: the node plans the weight units at the run's first step from what ComfyUI says is
+    free, holds no more than that beside the non-block weights, moves fewer bytes a step than any whole-block or
+    whole-tail plan of the same room, and samples bitwise what ComfyUI alone samples (with a LoRA on the device
+    too, its norms and modulations patched with the non-block weights)."""
+    from layerwise_offload.bench.measure import block_lora
+    from layerwise_offload.nodes.controller import offload_model
+    from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
+    from layerwise_offload.nodes.stats_view import stats_view
+    import comfy.sd
+
+    def build():
+        model = tiny_dits.build_tiny(family)
+        if lora:
+            patches = block_lora(tiny_dits.build_tiny(family), rank=2)
+            model = comfy.sd.load_lora_for_models(model, None, patches, 0.8, 0)[0]
+        return model
+    want = tiny_dits.sample(build(), seed=3)
+    mm.unload_all_models()
+    model = offload_model(build(), -1, 1, "weights", True)
+    controller = model.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
+    manager = controller.manager
+    assert controller.discovered.streams_weights and manager.num_blocks == len(controller.discovered.blocks)
+    sizes = manager.block_nbytes()
+    free_memory[0] = overhead(family) + int(0.6 * sum(sizes))
+    assert torch.equal(tiny_dits.sample(model, seed=3), want)
+    plan = controller.last_plan
+    assert plan.fits and manager.config.streamed_tail_bytes == plan.tails
+    assert manager.stats().bytes_copied_last_forward == plan.streamed_bytes
+    # the room is what ComfyUI says is free, less its reserve and this latent's activations (the CPU loopback's
+    # free figure does not drop as the non-block weights load: they are in it)
+    room = plan.free_bytes - plan.reserve_bytes - plan.activation_bytes
+    assert free_memory[0] - room - controller.device_lora_scratch <= overhead(family) * 2
+    assert manager.device_bytes() == manager.planned_device_bytes() == plan.required_bytes - plan.activation_bytes \
+        - plan.reserve_bytes <= room
+    blocks = controller.discovered.whole_blocks
+    block_sizes, block_options = geometry(blocks)
+    whole = [plan_residency(block_sizes, room, policy=p) for p in ("leading", "strided")]
+    tails = plan_streamed_tails(block_sizes, block_options, room, tries=64)
+    assert all(plan.streamed_bytes < other.streamed_bytes for other in whole + [tails] if other is not None)
+    if lora:
+        assert manager.after_copy is not None  # the blocks' LoRA on the device, unit by unit
+    text, _ = stats_view(model)
+    assert text  # the Stats node draws a weights run too
+    # ComfyUI alone again on the same loaded model: the same output, nothing of ours in the way
+    mm.unload_all_models()
+    assert torch.equal(tiny_dits.sample(build(), seed=3), want)
+
+
+def test_weights_with_a_resident_count_is_refused_with_the_fix():
+    from layerwise_offload.nodes.controller import offload_model
+    with pytest.raises(ValueError, match="residency_policy = weights .*set resident_layers to -1"):
+        offload_model(tiny_dits.build_tiny("flux"), 3, 1, "weights", True)
