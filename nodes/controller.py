@@ -242,6 +242,7 @@ class OffloadController:
         partial loading would use); the resident count is capped so the plan stays inside it.
         """
         self.follow_device(device_to)
+        self._hold_the_parameters()
         decisions = comfyui_load_decisions(patcher)
         apply_cast_decisions(patcher, decisions, device_to)
         self.put_non_block_weights(patcher, device_to, decisions)
@@ -531,6 +532,7 @@ class OffloadController:
 
     @contextmanager
     def forward(self, patcher, x: Optional[torch.Tensor] = None):
+        self._hold_the_parameters()
         if (self.auto or self.auto_setting) and not self._auto_planned_this_run and isinstance(x, torch.Tensor):
             self._plan_run(x, patcher)
             self._auto_planned_this_run = True
@@ -564,6 +566,16 @@ class OffloadController:
         device = normalize_device(torch.device(device))
         if device != self.device and device.type != "cpu":
             self._use_manager_on(device)
+
+    def _hold_the_parameters(self) -> None:
+        """Another output of this model streams it at the other granularity (weight units against blocks) and its
+        manager holds the parameters now: that one is detached and this output gets a manager of its own again (one
+        manager at a time may point the parameters anywhere; the new one packs its host store at its first run)."""
+        if _MANAGERS.get(self.diffusion_model) is not self.manager:
+            log.info("[layerwise-offload] this model was streamed by %s by another output: streaming it by %s again",
+                     "blocks" if self.discovered.streams_weights else "weight units",
+                     "weight units" if self.discovered.streams_weights else "blocks")
+            self._use_manager_on(self.device)
 
     def _use_manager_on(self, device) -> None:
         """This model's manager for ``device`` (shared by every output of the model), with ComfyUI's pinning."""

@@ -251,6 +251,10 @@ def plan_weight_units(unit_bytes: Sequence[int], tail_options: Sequence[Sequence
         raise ValueError(f"tail_options has {len(tail_options)} units, unit_bytes {len(sizes)}")
     room = free_bytes - activation_bytes - reserve_bytes - non_block_bytes
     n, total = len(sizes), sum(sizes)
+    if total <= room:  # everything resident: nothing streams
+        return streamed_tails_plan(sizes, sizes, free_bytes, reserve_bytes=reserve_bytes,
+                                   activation_bytes=activation_bytes, non_block_bytes=non_block_bytes,
+                                   prefetch_size=prefetch_size, resident_count=n)
     best = None
     left = tries
     for bound in sorted({t for options in tail_options for t in options}):

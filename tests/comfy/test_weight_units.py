@@ -161,3 +161,29 @@ def test_weights_with_a_resident_count_is_refused_with_the_fix():
     from layerwise_offload.nodes.controller import offload_model
     with pytest.raises(ValueError, match="residency_policy = weights .*set resident_layers to -1"):
         offload_model(tiny_dits.build_tiny("flux"), 3, 1, "weights", True)
+
+
+def test_two_outputs_of_one_model_alternate_between_weight_units_and_blocks(free_memory):
+    """One loaded model, two node outputs (weights, and 1 block resident): each run replaces the other's manager
+    (one holds the parameters at a time), every output is bitwise ComfyUI alone's, and the plain model after them
+    too."""
+    from layerwise_offload.nodes.controller import offload_model
+    from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
+    want = tiny_dits.sample(tiny_dits.build_tiny("flux"), seed=4)
+    mm.unload_all_models()
+    base = tiny_dits.build_tiny("flux")
+    units = offload_model(base, -1, 1, "weights", True)
+    blocks = offload_model(base, 1, 1, "leading", True)
+    sizes = units.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager.block_nbytes()
+    free_memory[0] = overhead("flux") + int(0.5 * sum(sizes))
+    from layerwise_offload.nodes.controller import _MANAGERS
+    dit = base.get_model_object("diffusion_model")
+    for model in (units, blocks, units, blocks):
+        assert torch.equal(tiny_dits.sample(model, seed=4), want)
+        manager = model.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
+        assert manager.stats().bytes_copied_last_forward > 0  # it streamed: some of it is not on the "device"
+        assert _MANAGERS[dit] is manager  # the one manager that holds the parameters
+        hooked = sum(len(m._forward_pre_hooks) for m in dit.modules())
+        assert hooked == manager.num_blocks, hooked  # its hooks only
+    mm.unload_all_models()
+    assert torch.equal(tiny_dits.sample(base, seed=4), want)

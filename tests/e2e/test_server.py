@@ -108,6 +108,7 @@ PLANS = [
     dict(resident_layers=0, prefetch_size=1, residency_policy="leading"),
     dict(resident_layers=1, prefetch_size=2, residency_policy="strided", pin_memory=False),
     dict(resident_layers=99, prefetch_size=1, residency_policy="leading"),
+    dict(resident_layers=-1, prefetch_size=1, residency_policy="weights"),
 ]
 
 

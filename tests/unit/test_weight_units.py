@@ -128,3 +128,9 @@ def test_the_plan_trades_weights_of_two_sizes_to_leave_almost_no_room_unused():
     assert 0 <= plan.headroom_bytes <= 3
     streamed = sorted(plan.tails)
     assert streamed.count(142) * 141 + streamed.count(53) * 52 + 30 == plan.streamed_bytes
+
+
+def test_a_room_for_everything_keeps_every_unit_resident():
+    _, sizes, options = unit_geometry()
+    plan = plan_weight_units(sizes, options, sum(sizes))
+    assert plan.fits and plan.resident_count == len(sizes) and plan.streamed_bytes == 0 and plan.slot_bytes == 0
