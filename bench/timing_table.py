@@ -90,11 +90,10 @@ class TemplateCosts:
     prefetch: int  # the template's own prefetch_size
 
 
-def count_flops(spec, latent: Sequence[int], batch: int):
-    """(FLOPs of each block of the one-block-per-list model, whole forward's FLOPs, the blocks, attention calls)."""
-    calls: List[int] = []
+def counted_attention(calls: List[int], attention_flops: List[float]):
+    """activation_memory.py's flash-like attention stand-in that adds the flash kernel's own FLOPs
+    (``4 x batch x heads x query tokens x key tokens x head dim``) to ``attention_flops[0]``."""
     flash = flash_like_attention(calls)
-    attention_flops = [0.0]
 
     def attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
                   **kwargs):
@@ -108,7 +107,14 @@ def count_flops(spec, latent: Sequence[int], batch: int):
             attention_flops[0] += 2.0 * b * lq * lk * (q[0, 0].numel() + v[0, 0].numel())
         return flash(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
                      skip_output_reshape=skip_output_reshape, **kwargs)
+    return attention
 
+
+def count_flops(spec, latent: Sequence[int], batch: int):
+    """(FLOPs of each block of the one-block-per-list model, whole forward's FLOPs, the blocks, attention calls)."""
+    calls: List[int] = []
+    attention_flops = [0.0]
+    attention = counted_attention(calls, attention_flops)
     counter = FlopCounterMode(display=False)
     marks, per_block = {}, Counter()
 

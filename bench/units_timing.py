@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import sys
-from collections import Counter
 from pathlib import Path
 
 if __name__ == "__main__":  # run by path: the pack registered as `layerwise_offload`, so the relative imports work
@@ -33,13 +31,13 @@ if __name__ == "__main__":  # run by path: the pack registered as `layerwise_off
 import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from ..devtools import comfy_env, dit_presets, template_memory  # noqa: E402
+from ..devtools import comfy_env  # noqa: E402
 from ..offload import plan_streamed_tails, plan_weight_units, weight_units  # noqa: E402
 from ..offload import timing_model as tm  # noqa: E402
 from ..offload.host.packing import block_parameters, plan_layout  # noqa: E402
-from .activation_memory import FAMILIES, flash_like_attention, meta_forward  # noqa: E402
+from .activation_memory import FAMILIES, block_lists, meta_forward  # noqa: E402
 from .g5_bytes import FRACTIONS, block_geometry  # noqa: E402
-from .timing_table import FAMILY_OF_CONFIG, HOST_FORMAT  # noqa: E402
+from .timing_table import FAMILY_OF_CONFIG, HOST_FORMAT, counted_attention  # noqa: E402
 
 PREFETCHES = (1, 2, 4, 8)
 HOOKS_S_PER_UNIT = 20e-6  # a unit's pre- and post-hook from Python
@@ -51,30 +49,14 @@ FIELDS = ("GPU", "template", "budget_fraction", "prefetch", "units", "streamed_b
 def unit_segments(spec, latent, batch: int):
     """Per block of the one-block-per-list model: its units in the order its forward called them, and each one's
     segment FLOPs; and the FLOPs outside every block."""
-    calls = []
-    flash = flash_like_attention(calls)
     attention_flops = [0.0]
-
-    def attention(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
-                  **kwargs):
-        if skip_reshape:
-            b, _, lq, dq = q.shape
-            lk, dv = k.shape[2], v.shape[-1]
-            attention_flops[0] += 2.0 * b * heads * lq * lk * (dq + dv)
-        else:
-            b, lq = q.shape[:2]
-            lk = k.shape[1]
-            attention_flops[0] += 2.0 * b * lq * lk * (q[0, 0].numel() + v[0, 0].numel())
-        return flash(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
-                     skip_output_reshape=skip_output_reshape, **kwargs)
-
+    attention = counted_attention([], attention_flops)
     counter = FlopCounterMode(display=False)
 
     def total():
         return counter.get_total_flops() + attention_flops[0]
 
     model = spec.build(torch.bfloat16).eval()
-    from .activation_memory import block_lists
     blocks = block_lists(model)
     units = weight_units(blocks)
     order = {i: [] for i in range(len(blocks))}  # block -> [(unit, flops at its pre-hook)]
