@@ -70,6 +70,7 @@ class RunReport:
     disk_stall_seconds: float = 0.0  # time copies waited for reads
     head_bytes: int = 0  # the streamed blocks' heads in VRAM (streamed tails)
     disk_checkpoint_blocks: int = 0  # of the disk blocks, those read straight from the safetensors checkpoint
+    pieces: str = "blocks"  # what streams: "blocks", or "layers" with residency_policy weights (weight units)
 
     @property
     def disk_gbps(self) -> float:
@@ -136,12 +137,13 @@ class RunReport:
         return self.peak_device_bytes + self.other_device_bytes
 
     def headline(self) -> str:
+        pieces = self.pieces
         if self.streamed_blocks == 0:
-            return f"all {self.num_blocks} blocks in VRAM"
+            return f"all {self.num_blocks} {pieces} in VRAM"
         if self.head_bytes:
-            return (f"{self.resident_blocks} of {self.num_blocks} blocks in VRAM, {self.streamed_blocks} streamed as "
+            return (f"{self.resident_blocks} of {self.num_blocks} {pieces} in VRAM, {self.streamed_blocks} streamed as "
                     f"tails (their heads, {format_bytes(self.head_bytes)}, in VRAM)")
-        return f"{self.resident_blocks} of {self.num_blocks} blocks in VRAM, {self.streamed_blocks} streamed"
+        return f"{self.resident_blocks} of {self.num_blocks} {pieces} in VRAM, {self.streamed_blocks} streamed"
 
     def copy_line(self) -> str:
         """What the copies cost per step, with the bytes behind every speed and the cause of every wait."""
@@ -224,6 +226,11 @@ def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
         return (f"stalled {report.disk_stall_seconds / report.run_seconds:.0%} of the run waiting for disk reads: "
                 f"fewer blocks on disk helps (free host RAM for host_store = auto, or an fp8/GGUF checkpoint), "
                 f"or a faster disk for the cache file")
+    if report.pieces == "layers":  # residency_policy weights plans its own residency
+        if report.stall_fraction >= HIDDEN_STALL_FRACTION:
+            return (f"waiting took {report.stall_fraction:.0%} of the run: residency_policy auto streams whole blocks "
+                    f"or tails, whose copies hide behind a whole block's compute (more bytes a step, less waiting)")
+        return "copies hidden: weights moves the fewest bytes this VRAM allows; nothing to change"
     if report.stall_fraction >= HIDDEN_STALL_FRACTION:
         return (f"waiting took {report.stall_fraction:.0%} of the run: raise resident_layers "
                 f"(or prefetch_size) if VRAM allows")

@@ -24,4 +24,5 @@ def run_report(controller, before, after, forwards: int, run_seconds: float) -> 
         disk_blocks=after.disk_blocks, disk_checkpoint_blocks=after.disk_checkpoint_blocks,
         disk_bytes_read=after.disk_bytes_read - before.disk_bytes_read,
         disk_seconds=after.disk_read_seconds - before.disk_read_seconds,
-        disk_stall_seconds=after.disk_stall_seconds - before.disk_stall_seconds, head_bytes=after.head_bytes)
+        disk_stall_seconds=after.disk_stall_seconds - before.disk_stall_seconds, head_bytes=after.head_bytes,
+        pieces="layers" if controller.discovered.streams_weights else "blocks")

@@ -43,6 +43,15 @@ def auto_plan_line(controller) -> Optional[str]:
     act = (f" (with {format_bytes(activations.nbytes)} of {activation_words(activations.source)} activations)"
            if activations is not None else "")
     free = format_bytes(plan.free_bytes)
+    discovered = getattr(controller, "discovered", None)
+    if discovered is not None and discovered.streams_weights:
+        if not plan.fits:
+            return f"weights: VRAM is short by {format_bytes(-plan.headroom_bytes)} even with every layer streamed{act}"
+        if plan.resident_count == plan.num_blocks:
+            return f"weights: every layer fits in the {free} free{act}"
+        return (f"weights: {plan.num_blocks} layers of {len(discovered.whole_blocks)} blocks, "
+                f"{format_bytes(plan.streamed_bytes)} streamed a step (a layer's weights, or only its bias), the rest "
+                f"in the {free} free{act}")
     if not plan.fits:
         return f"auto: VRAM is short by {format_bytes(-plan.headroom_bytes)} even with every block streamed{act}"
     if plan.resident_count == plan.num_blocks:

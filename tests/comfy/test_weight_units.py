@@ -150,8 +150,9 @@ def test_the_node_streams_weight_units_bitwise_within_the_free_vram(free_memory,
     assert all(plan.streamed_bytes < other.streamed_bytes for other in whole + [tails] if other is not None)
     if lora:
         assert manager.after_copy is not None  # the blocks' LoRA on the device, unit by unit
-    text, _ = stats_view(model)
-    assert text  # the Stats node draws a weights run too
+    text, _ = stats_view(model)  # what the Stats node shows: layers, not blocks, and the weights plan
+    assert f"of {manager.num_blocks} layers in VRAM" in text and "weights: " in text, text
+    assert controller.last_report.headline().endswith("in VRAM)") or "layers" in controller.last_report.headline()
     # ComfyUI alone again on the same loaded model: the same output, nothing of ours in the way
     mm.unload_all_models()
     assert torch.equal(tiny_dits.sample(build(), seed=3), want)
