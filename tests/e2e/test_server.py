@@ -78,7 +78,7 @@ def test_object_info_describes_the_node(object_info):
     assert (typ, opts["default"], opts["min"]) == ("INT", 1, 1)
     typ, opts = req["residency_policy"]
     options = typ if isinstance(typ, list) else opts["options"]
-    assert list(options) == ["auto", "leading", "strided"] and opts.get("default") == "auto"
+    assert list(options) == ["auto", "leading", "strided", "weights"] and opts.get("default") == "auto"
     typ, opts = req["pin_memory"]
     assert (typ, opts["default"]) == ("BOOLEAN", True)
     typ, opts = info["input"]["optional"]["host_store"]

@@ -38,7 +38,10 @@ def test_real_readers_answer_something_sane():
     system = system_available_bytes()
     assert system is None or system > 0
     available = available_host_bytes()
-    assert available is None or 0 <= available <= (system if system is not None else float("inf"))
+    # Read a moment apart: on a busy machine other processes free memory in between (100 KB in a suite run beside
+    # another), so the second figure may exceed the first by a little
+    slack = 64 * 2**20
+    assert available is None or 0 <= available <= (system + slack if system is not None else float("inf"))
 
 
 # ----------------------------------------------------------------- /proc/meminfo
