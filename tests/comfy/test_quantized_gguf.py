@@ -159,34 +159,17 @@ def test_comfyui_gguf_never_copies_offloaded_blocks_out_of_its_mapping(gguf, mon
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
-def test_gguf_streamed_weight_by_weight_equals_comfyui_gguf(gguf, lora, monkeypatch):
+def test_gguf_streamed_weight_by_weight_equals_comfyui_gguf(gguf, lora, weights_replan):
     """residency_policy weights over ComfyUI-GGUF's own Linear modules: each GGMLTensor weight streams on its own in
     its stored bytes, the LoRA applied on the device, bitwise ComfyUI-GGUF's output, with 60% of the blocks' bytes
     free."""
-    from layerwise_offload.nodes import controller as controller_module
     qtype = "Q4_0"
     want = tiny_dits.sample(with_lora(load(gguf, qtype)) if lora else load(gguf, qtype), seed=3, family="wan21")
     mm.unload_all_models()
     model = load(gguf, qtype)
     offloaded = offload_model(with_lora(model) if lora else model, -1, 1, "weights", True)
-    controller = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
+    controller, plan = weights_replan(offloaded, want, lambda m: tiny_dits.sample(m, seed=3, family="wan21"))
     manager = controller.manager
-    free = [2 ** 40]
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
-        (free[0], free[0]) if torch_free_too else free[0]))
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)
-    # a first run with room for all (every unit resident) tells the activations the plan counts; the second run
-    # has 60% of the blocks' bytes beside them and replans (unloaded in between: nothing held, which would count as
-    # free to the plan)
-    assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want)
-    first = controller.last_plan
-    assert first.resident_count == manager.num_blocks and first.streamed_bytes == 0
-    mm.unload_all_models()
-    assert manager.device_bytes() == 0
-    free[0] = first.reserve_bytes + first.activation_bytes + int(0.6 * sum(manager.block_nbytes()))
-    assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want)
-    plan = controller.last_plan
-    assert plan.fits and 0 < plan.streamed_bytes == manager.stats().bytes_copied_last_forward
     assert weight_kinds(offloaded) == {("GGMLTensor", qtype)}
     assert manager.num_blocks > NUM_BLOCKS  # units, not blocks
     mm.unload_all_models()

@@ -148,30 +148,14 @@ def test_lora_after_an_offloaded_prompt_keeps_compact_quantized_backups(fp8_mixe
     mm.unload_all_models()
 
 
-def test_fp8_mixed_streamed_weight_by_weight_equals_comfyui(fp8_mixed_file, monkeypatch):
+def test_fp8_mixed_streamed_weight_by_weight_equals_comfyui(fp8_mixed_file, weights_replan):
     """residency_policy weights over ComfyUI's QuantizedTensor (fp8 with scales) weights: bitwise ComfyUI's own
     output with 60% of the blocks' bytes free, every unit's weights still QuantizedTensor."""
     from layerwise_offload.nodes import controller as controller_module
     want = tiny_dits.sample(load(fp8_mixed_file), seed=3, family="wan21")
     mm.unload_all_models()
     offloaded = offload_model(load(fp8_mixed_file), -1, 1, "weights", True)
-    controller = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
+    controller, plan = weights_replan(offloaded, want, lambda m: tiny_dits.sample(m, seed=3, family="wan21"))
     manager = controller.manager
-    free = [2 ** 40]
-    monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
-        (free[0], free[0]) if torch_free_too else free[0]))
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)
-    # a first run with room for all (every unit resident) tells the activations the plan counts; the second run
-    # has 60% of the blocks' bytes beside them and replans (unloaded in between: nothing held, which would count as
-    # free to the plan)
-    assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want)
-    first = controller.last_plan
-    assert first.resident_count == manager.num_blocks and first.streamed_bytes == 0
-    mm.unload_all_models()
-    assert manager.device_bytes() == 0
-    free[0] = first.reserve_bytes + first.activation_bytes + int(0.6 * sum(manager.block_nbytes()))
-    assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want)
-    plan = controller.last_plan
-    assert plan.fits and 0 < plan.streamed_bytes == manager.stats().bytes_copied_last_forward
     assert quantized_weights(offloaded) == ["QuantizedTensor"] * NUM_BLOCKS
     mm.unload_all_models()
