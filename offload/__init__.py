@@ -11,7 +11,7 @@ from .device.backend import normalize_device
 from .disk.cache_file import disk_tier_unsupported, remove_stale_files
 from .hooks import cuda_graph_refusal
 from .memory.ram import available_host_bytes
-from .host.side import DISK_DIR_ENV, HostEnvironment, default_disk_folder
+from .host.environment import DISK_DIR_ENV, HostEnvironment, default_disk_folder
 from .host.packing import block_parameters
 from .manager import LayerwiseOffloadManager
 from .memory.pinning import clear_cuda_error, return_freed_host_memory

@@ -26,11 +26,13 @@ from .call_order import CallTracker
 from .config import OffloadConfig
 from .device.backend import make_backend, normalize_device
 from .device.memory import DeviceMemory
+from .geometry import BlockGeometry
 from .hooks import BlockHooks, compiler_disable
-from .host.side import HostEnvironment, HostSide
-from .host.packing import HostStore, plan_layout
+from .host.environment import HostEnvironment
+from .host.side import HostSide
+from .host.packing import HostStore
 from .schedule import Schedule
-from .stats import Counters, OffloadStats
+from .stats import Counters, OffloadStats, host_figures
 
 
 
@@ -74,6 +76,7 @@ class LayerwiseOffloadManager:
         this = weakref.ref(self)
         self.host = HostSide(self.blocks, self.device, lambda: this().config, environment)
         self.params = BlockParameters(self.blocks)
+        self.geometry = BlockGeometry(self.params, self.host)
         self.backend = backend or make_backend(self.device, self.config.measure_time)
         self.device_memory = DeviceMemory(self.device, self.num_blocks)
         self.copier = BlockCopier()
@@ -82,7 +85,6 @@ class LayerwiseOffloadManager:
         self.counters = Counters(self.num_blocks)
         self.states = BlockStates(self.num_blocks)
         self.schedule: Optional[Schedule] = None
-        self._planning_tiers = False
         self._reset_device_state()
         self._release_after_forward = False
 
@@ -124,50 +126,20 @@ class LayerwiseOffloadManager:
 
     def block_nbytes(self) -> List[int]:
         """Bytes each block occupies on the device once materialized."""
-        if self.store is not None:
-            return [layout.nbytes for layout in self.store.layouts]
-        return [plan_layout(named).nbytes for named in self.params.named]
+        return self.geometry.block_nbytes()
 
     def tail_options(self) -> List[tuple]:
-        """Per block, the sizes its streamed tail can have, ascending, the whole block last (``BlockLayout.tail_sizes``);
-        a block on disk streams whole (its reads are of whole blocks)."""
-        return [layout.tail_sizes if in_ram else (layout.nbytes,)
-                for layout, in_ram in zip(self._layouts(), self._in_ram())]
-
-    def _layouts(self) -> list:
-        return self.store.layouts if self.store is not None else [plan_layout(named) for named in self.params.named]
-
-    def _in_ram(self) -> List[bool]:
-        """Per block, whether its host copy is (or, before packing, will be) in RAM. The host's tier plan asks what the
-        plan takes from host RAM on the CPU loopback (:meth:`planned_device_bytes`), which asks this: asked again
-        while it plans, the blocks count as in RAM."""
-        if self._planning_tiers:
-            return [True] * self.num_blocks
-        self._planning_tiers = True
-        try:
-            return [tier == "ram" for tier in self.host.tiers()]
-        finally:
-            self._planning_tiers = False
+        """Per block, the sizes its streamed tail can have (see :meth:`BlockGeometry.tail_options`)."""
+        return self.geometry.tail_options()
 
     def block_tails(self, config: Optional[OffloadConfig] = None) -> Optional[List[int]]:
-        """Per block, the bytes it streams when it streams under ``config`` (the manager's by default): its tail
-        under ``streamed_tail_bytes``; None where every streamed block streams whole."""
-        caps = (config or self.config).tail_caps(self.num_blocks)
-        if caps is None:
-            return None
-        return [layout.tail_bytes(cap) if in_ram else layout.nbytes
-                for layout, in_ram, cap in zip(self._layouts(), self._in_ram(), caps)]
-
-    def _splits_for(self, schedule: Schedule, sizes: Sequence[int], tails: Optional[Sequence[int]]) -> List[int]:
-        """Per block, where its streamed tail begins under ``schedule`` (0: resident, or streamed whole)."""
-        if tails is None:
-            return [0] * self.num_blocks
-        return [0 if keep else size - tail for keep, size, tail in zip(schedule.resident, sizes, tails)]
+        """Per block, the bytes it streams when it streams under ``config`` (the manager's by default); None where
+        every streamed block streams whole."""
+        return self.geometry.block_tails(config or self.config)
 
     def planned_device_bytes(self, schedule: Optional[Schedule] = None) -> int:
         """The device bytes the plan holds once armed: resident buffers, streamed blocks' heads, streaming slots."""
-        schedule = schedule or self.schedule or self._make_schedule()
-        return schedule.device_bytes(self.block_nbytes(), self.config.prefetch_size, self.block_tails())
+        return self.geometry.footprint(schedule or self.schedule or self._make_schedule(), self.config).total
 
     def device_bytes(self) -> int:
         return self.device_memory.nbytes()
@@ -285,13 +257,12 @@ class LayerwiseOffloadManager:
         self.prepare()
         schedule = self._make_schedule()
         sizes = self.block_nbytes()
-        tails = self.block_tails()
-        plan = schedule.footprint(sizes, self.config.prefetch_size, tails)
+        plan = self.geometry.footprint(schedule, self.config)
         move_block_buffers(self.blocks, self.device)
         self._sync_pinning(schedule)
         memory = self.device_memory
         memory.inference = self.inference_tensors
-        self._splits = self._splits_for(schedule, sizes, tails)
+        self._splits = self.geometry.splits(schedule, self.config)
         heads = [(i, split) for i, split in enumerate(self._splits) if split > 0]
         new_heads = [i for i, _ in heads if i not in memory.heads]
         try:
@@ -466,10 +437,9 @@ class LayerwiseOffloadManager:
             return
         try:
             schedule = Schedule.for_config(config, self.num_blocks)
-            sizes, tails = self.block_nbytes(), self.block_tails(config)
-            ring = schedule.footprint(sizes, config.prefetch_size, tails)
+            ring = self.geometry.footprint(schedule, config)
             keep_ring = memory.ring_is(ring.slot_count, ring.slot_size)
-            splits = self._splits_for(schedule, sizes, tails)
+            splits = self.geometry.splits(schedule, config)
             for index in range(self.num_blocks):
                 resident = index in memory.residents
                 if resident and schedule.resident[index]:
@@ -519,56 +489,32 @@ class LayerwiseOffloadManager:
         ``synchronize`` waits for pending copy timings first."""
         self.backend.settle(block=synchronize)
         schedule = self.schedule or self._make_schedule()
-        counts, store, disk = self.counters, self.store, self.host.disk
-        checkpoint_bytes = disk.checkpoint_bytes() if disk is not None else 0
-        disk_bytes = disk.nbytes() if disk is not None else 0
-        sizes, tails = self.block_nbytes(), self.block_tails()
+        plan = self.geometry.footprint(schedule, self.config)
         host_tiers = self.host.tiers()
-        plan = schedule.footprint(sizes, self.config.prefetch_size, tails)
         return OffloadStats(
             num_blocks=self.num_blocks,
             resident_blocks=len(schedule.resident_blocks),
             streamed_blocks=len(schedule.streamed_blocks),
-            forwards=counts.forwards,
-            bytes_copied=counts.bytes_copied,
-            copies_issued=counts.copies_issued,
-            resident_copies=counts.resident_copies,
-            demand_copies=counts.demand_copies,
-            bytes_copied_last_forward=counts.last_forward_bytes,
-            copies_last_forward=counts.last_forward_copies,
             materialized_blocks=len(self.materialized_blocks()),
-            peak_materialized_blocks=counts.peak_materialized,
             resident_bytes=self.device_memory.resident_bytes(),
             device_bytes=self.device_bytes(),
-            peak_device_bytes=counts.peak_device_bytes,
             planned_device_bytes=plan.total,
-            host_bytes=store.nbytes() - (disk_bytes - checkpoint_bytes) if store is not None else 0,
-            pinned_host_bytes=store.pinned_nbytes() if store is not None else 0,
-            host_bytes_requested=store.ledger.bytes_requested if store is not None else 0,
-            host_bytes_pinned=store.ledger.bytes_pinned if store is not None else 0,
             copy_seconds=self.backend.copy_seconds,
             stall_seconds=self.backend.stall_seconds,
-            disk_blocks=len(disk.regions) if disk is not None else 0,
-            disk_bytes=disk_bytes,
-            disk_bytes_read=disk.bytes_read if disk is not None else 0,
-            disk_reads=disk.reads if disk is not None else 0,
-            disk_read_seconds=disk.read_seconds if disk is not None else 0.0,
-            disk_stall_seconds=disk.stall_seconds if disk is not None else 0.0,
-            staging_bytes=disk.ring_bytes if disk is not None else 0,
-            disk_checkpoint_blocks=len(disk.extents) if disk is not None else 0,
             block_tiers=tuple("resident" if schedule.resident[i] else host_tiers[i] for i in range(self.num_blocks)),
             slot_count=plan.slot_count,
             asynchronous=self.backend.asynchronous,
             head_bytes=self.device_memory.head_bytes(),
             streamed_tail_bytes=self.config.streamed_tail_bytes,
+            **self.counters.figures(),
+            **host_figures(self.store, self.host.disk),
         )
 
     def host_ram_bytes(self) -> int:
         """Host RAM the blocks hold: each block in the RAM tier (packed, or not yet), and the disk tier's
         staging ring (a block in the disk tier holds nothing else)."""
         disk = self.host.disk
-        staging = disk.ring_bytes if disk is not None else 0
-        return staging + sum(n for n, tier in zip(self.block_nbytes(), self.host.tiers()) if tier == "ram")
+        return self.geometry.host_ram_bytes(disk.ring_bytes if disk is not None else 0)
 
     def shortfall(self, config: Optional[OffloadConfig] = None, settings: Optional[str] = None) -> Optional[str]:
         """Why packing the blocks not in the host store yet would fail for want of host memory, or None (see

@@ -213,7 +213,7 @@ class _Session:
     follow arm it afresh, as after any replan."""
 
     def __init__(self, num_blocks: int):
-        from .host.side import HostEnvironment
+        from .host.environment import HostEnvironment
         from .manager import LayerwiseOffloadManager
 
         self.device = device = _RecordingDevice()

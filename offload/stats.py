@@ -80,7 +80,33 @@ class Counters:
         self.last_forward_bytes = self._forward_bytes
         self.last_forward_copies = self._forward_copies
 
+    def figures(self) -> dict:
+        """The counted fields of :class:`OffloadStats`."""
+        return dict(forwards=self.forwards, bytes_copied=self.bytes_copied, copies_issued=self.copies_issued,
+                    resident_copies=self.resident_copies, demand_copies=self.demand_copies,
+                    bytes_copied_last_forward=self.last_forward_bytes, copies_last_forward=self.last_forward_copies,
+                    peak_materialized_blocks=self.peak_materialized, peak_device_bytes=self.peak_device_bytes)
+
     def note_peaks(self, materialized: int, device_bytes: int, reset: bool = False) -> None:
         """Raise the peaks to what is held now (``reset``: start them again from it)."""
         self.peak_materialized = materialized if reset else max(self.peak_materialized, materialized)
         self.peak_device_bytes = device_bytes if reset else max(self.peak_device_bytes, device_bytes)
+
+
+def host_figures(store, disk) -> dict:
+    """The host fields of :class:`OffloadStats`, from a manager's host store and disk tier (either may be None).
+    ``host_bytes`` is what the store holds in RAM: a disk block's bytes are in its file, except those read straight
+    from the checkpoint, which the store maps."""
+    figures = dict(host_bytes=0, pinned_host_bytes=0, host_bytes_requested=0, host_bytes_pinned=0)
+    disk_bytes = disk.nbytes() if disk is not None else 0
+    if store is not None:
+        checkpoint_bytes = disk.checkpoint_bytes() if disk is not None else 0
+        figures.update(host_bytes=store.nbytes() - (disk_bytes - checkpoint_bytes),
+                       pinned_host_bytes=store.pinned_nbytes(), host_bytes_requested=store.ledger.bytes_requested,
+                       host_bytes_pinned=store.ledger.bytes_pinned)
+    if disk is not None:
+        figures.update(disk_blocks=len(disk.regions), disk_bytes=disk_bytes, disk_bytes_read=disk.bytes_read,
+                       disk_reads=disk.reads, disk_read_seconds=disk.read_seconds,
+                       disk_stall_seconds=disk.stall_seconds, staging_bytes=disk.ring_bytes,
+                       disk_checkpoint_blocks=len(disk.extents))
+    return figures

@@ -1,4 +1,5 @@
-"""The disk tier: host copies of the blocks that live on disk instead of RAM (host/side.py holds both tiers).
+"""The disk tier: host copies of the blocks that live on disk instead of RAM (host/tiers.py holds the RAM tier,
+host/side.py routes each copy to its tier).
 
 A disk block never exists whole in RAM. Its copy to the device reads it chunk by chunk (:data:`CHUNK_BYTES`) into
 a small ring of page-aligned staging chunks (page-locked on a GPU; :data:`STAGING_CHUNKS` of them, whatever the
@@ -48,7 +49,7 @@ def staging_ring_bytes(largest_block_bytes: int, chunks: Optional[int] = None, t
     """The disk tier's staging RAM for disk blocks of at most ``largest_block_bytes``: ``chunks``
     (:data:`STAGING_CHUNKS`) buffers of one :data:`CHUNK_BYTES` chunk each (``tight``, where RAM is short:
     :data:`TIGHT_CHUNK_BYTES`), or of the largest block, page-padded, where that is smaller. It does not grow with
-    the block: the accounting (host/side.py) and the tier use this."""
+    the block: the accounting (host/tier_planning.py) and the tier use this."""
     if largest_block_bytes <= 0:
         return 0
     return (STAGING_CHUNKS if chunks is None else max(1, int(chunks))) * _chunk_bytes(largest_block_bytes, tight)

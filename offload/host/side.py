@@ -1,121 +1,25 @@
-"""The host side of a manager: where each block's host copy lives (RAM or disk), packing, pinning."""
+"""The host side of a manager: where each block's host copy lives (RAM or disk), packing, pinning; the tiers are
+planned by :class:`~.tier_planning.TierPlanner`."""
 
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
-from dataclasses import dataclass
-from typing import Any,  Callable, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple, Union, runtime_checkable
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from ..disk.checkpoint import drop_cached_pages
-from ..disk.budget import (PACKING_SLACK_BYTES, RAM_MARGIN_BYTES, TierPlan, freed_by_packing, plan_host_tiers,
-                          refusal)
-from ..disk.cache_file import disk_tier_unsupported
-from ..disk import tier as disk_tier
-from ..disk.tier import CHUNK_BYTES, DiskSource, DiskTier, staging_ring_bytes
+from ..disk.budget import TierPlan
+from ..disk.tier import CHUNK_BYTES, DiskSource, DiskTier
 from ..disk.mappings import MappedFiles, checkpoint_extents
-from ..disk.checkpoint import locate
-from ..disk.read_rate import disk_read_rate
-from ..memory.ram import available_host_bytes, pinnable_bytes
+from ..memory.ram import pinnable_bytes
 from ..memory.pinning import default_pinner, return_freed_host_memory
+from .environment import DEVICE_DEFAULT, HostEnvironment
 from .packing import HostStore, _packed_sources, block_parameters, params_are_inference, plan_layout
+from .tier_planning import TierPlanner
+from .tiers import HostTier, RamTier
 
 log = logging.getLogger("layerwise_offload")
-
-DISK_DIR_ENV = "LAYERWISE_OFFLOAD_DISK_DIR"
-
-
-def default_disk_folder(fallback: Optional[str] = None) -> str:
-    """Where the disk tier writes: $LAYERWISE_OFFLOAD_DISK_DIR (read when the file is made), else ``fallback``,
-    else the system temp folder."""
-    return os.environ.get(DISK_DIR_ENV) or fallback or os.path.join(tempfile.gettempdir(), "layerwise-offload")
-
-
-DEVICE_DEFAULT = "device default"
-
-
-@dataclass(frozen=True)
-class HostEnvironment:
-    """What the machine around a manager provides: given once, when the manager is made, and never changed.
-
-    ``pinner`` page-locks host buffers (None: never); by default the device's own (none for the CPU).
-    ``pin_cap`` is an outside cap on page-locked bytes (ComfyUI's own limit): given the bytes this manager holds
-    page-locked now, the most it may hold (None: no cap). It is asked each time the pinning is chosen, since other
-    models pin and unpin between runs.
-    ``available_host_bytes`` reads the host memory free to this process (None: unknown); by default the OS's
-    figure, its memory cgroup included (:func:`~.ram.available_host_bytes`).
-    ``disk_folder`` is where the disk tier's cache file goes unless $LAYERWISE_OFFLOAD_DISK_DIR says otherwise
-    (None: the system temp folder; see :func:`default_disk_folder`).
-    ``device_bytes_from_host`` (a device whose memory is host RAM, as the CPU loopback's): what the device will
-    take beyond what it holds now (the armed plan's slots and residents, scratch beside them). The host store plans
-    with that much less, as it would beside a GPU holding them in VRAM; otherwise it fills the RAM the slots are
-    then allocated from (a 10.8 GiB Flux in a 5.2 GiB cgroup: 4.3 GiB packed, then 1.3 GiB of slots, OOM-killed).
-    """
-
-    pinner: Any = DEVICE_DEFAULT
-    pin_cap: Optional[Callable[[int], Optional[int]]] = None
-    available_host_bytes: Optional[Callable[[], Optional[int]]] = None
-    disk_folder: Optional[str] = None
-    device_bytes_from_host: Optional[Callable[[], int]] = None
-
-
-@runtime_checkable
-class HostTier(Protocol):
-    """Where some blocks' host copies live (:class:`RamTier`, :class:`~.disk_tier.DiskTier`), as a copy sees it."""
-
-    def holds(self, index: int) -> bool:
-        """Whether block ``index``'s host copy is here."""
-
-    def read_ahead(self, indices: Sequence[int]) -> None:
-        """Start bringing the bytes of ``indices`` (the blocks copied next, in order) into staging buffers."""
-
-    def source(self, index: int, protect: Sequence[int] = ()) -> Union[torch.Tensor, DiskSource]:
-        """What block ``index``'s copy reads: its host tensor, in full (RAM), or a
-        :class:`~..disk.tier.DiskSource` that reads it chunk by chunk as the copy goes (disk: the block is never
-        whole in RAM). Reads ahead of ``protect`` (the blocks copied after it) come after its own."""
-
-    def copied(self, index: int, handle) -> None:
-        """The copy from :meth:`source` is queued; ``handle`` tells when it no longer reads that tensor."""
-
-    def pageable(self, index: int) -> bool:
-        """Whether the host stages that copy (pageable memory, or the disk tier's chunks): the manager issues such
-        copies after the running block is launched."""
-
-
-class RamTier:
-    """Blocks whose host copy is their host-store buffer in RAM (page-locked where the plan streams them)."""
-
-    def __init__(self, store: HostStore):
-        self.store = store
-        self._reads: Dict[int, object] = {}  # block -> the last copy queued from its buffer
-
-    def holds(self, index: int) -> bool:
-        return self.store.buffers[index] is not None
-
-    def read_ahead(self, indices: Sequence[int]) -> None:
-        """Nothing to read: the bytes are in RAM already."""
-
-    def source(self, index: int, protect: Sequence[int] = ()) -> torch.Tensor:
-        return self.store.buffers[index]
-
-    def copied(self, index: int, handle) -> None:
-        self._reads[index] = handle
-
-    def pageable(self, index: int) -> bool:
-        return not self.store.is_pinned(index)
-
-    def set_pinned(self, backend, index: int, pin: bool) -> None:
-        # (Un)registering memory a queued copy reads is undefined: wait for that block's last copy, not the whole
-        # copy stream.
-        backend.wait_host(self._reads.pop(index, None))
-        self.store.set_pinned(index, pin)
-
-    def settled(self) -> None:
-        """Every copy has finished (the copy stream was synchronized)."""
-        self._reads = {}
 
 
 class HostSide:
@@ -125,7 +29,8 @@ class HostSide:
     queued; ``pageable``).
 
     ``settings()`` reads the manager's config, which only the manager holds (host_store, prefetch_size,
-    pin_memory); ``environment`` is what the machine provides (:class:`HostEnvironment`).
+    pin_memory); ``environment`` is what the machine provides (:class:`HostEnvironment`). Which tier each block
+    gets, and whether the host RAM allows packing, is the ``planner``'s (:class:`~.tier_planning.TierPlanner`).
     """
 
     def __init__(self, blocks: Sequence[torch.nn.Module], device: torch.device, settings: Callable[[], Any],
@@ -135,6 +40,7 @@ class HostSide:
         self._settings = settings
         self.environment = environment = environment or HostEnvironment()
         self.pinner = default_pinner(device) if environment.pinner == DEVICE_DEFAULT else environment.pinner
+        self.planner = TierPlanner(blocks, settings, environment)
         self.store: Optional[HostStore] = None
         self.ram: Optional[RamTier] = None
         self.disk: Optional[DiskTier] = None  # the disk tier's file and staging ring, while some block lives on disk
@@ -151,9 +57,8 @@ class HostSide:
 
     @property
     def ring_size(self) -> int:
-        """The disk tier's staging chunks (:data:`~..disk.tier.STAGING_CHUNKS`): a fixed few, whatever the block
-        size or prefetch_size."""
-        return disk_tier.STAGING_CHUNKS
+        """The disk tier's staging chunks (:attr:`.tier_planning.TierPlanner.ring_size`)."""
+        return self.planner.ring_size
 
     # ----------------------------------------------------------------- the copy's source
     def tier(self, index: int) -> HostTier:
@@ -230,10 +135,10 @@ class HostSide:
         # free no RAM when packed, disk blocks are read from the file, and the pages packing reads are given back.
         mapped_files = MappedFiles() if indices else None
         if indices:
-            plan = self.tier_plan = self._plan_tiers(indices, mapped_files=mapped_files)
+            plan = self.tier_plan = self.planner.plan(indices, mapped_files=mapped_files, disk=self.disk)
             if plan.reason:  # blocks on disk, or kept in RAM off a slow disk: which, and why
                 log.info("[layerwise-offload] host store: %d of %d blocks on disk (%s); cache folder %s",
-                         plan.disk_blocks, len(self.blocks), plan.reason, self._disk_folder())
+                         plan.disk_blocks, len(self.blocks), plan.reason, self.environment.cache_folder())
         if indices:  # the blocks bound for disk first: they free ComfyUI's copies before any RAM block needs room
             indices = sorted(indices, key=lambda i: not self.tier_plan.disk[i])
         for done, index in enumerate(indices, 1):
@@ -255,72 +160,10 @@ class HostSide:
             self._old_disk.close()
             self._old_disk = None
 
-    def _plan_tiers(self, waiting: Sequence[int], mode: Optional[str] = None,
-                    mapped_files: Optional[MappedFiles] = None) -> TierPlan:
-        """Which blocks' host copies go to disk under ``config.host_store``, and what packing ``waiting`` costs.
-        Where the platform has no disk tier, auto keeps every block in RAM and disk is refused."""
-        mode = mode or self._settings().host_store
-        unsupported = disk_tier_unsupported()
-        if unsupported is not None:
-            if mode == "disk":
-                raise ValueError(f"[layerwise-offload] host_store = disk: {unsupported}. Use host_store = auto "
-                                 f"or ram (every block's host copy in RAM)")
-            mode = "ram"
-        waiting_set = set(waiting)
-        named = [block_parameters(block) for block in self.blocks]
-        layouts = [plan_layout(n) for n in named]
-        sizes = [layout.nbytes for layout in layouts]
-        padding = [layout.nbytes - sum(e.span_elements * e.dtype.itemsize for e in layout.entries) for layout in layouts]
-        if mapped_files is None and waiting_set:
-            mapped_files = MappedFiles()
-        freed = [freed_by_packing([p for _, p in n], mapped_files) if i in waiting_set else 0
-                 for i, n in enumerate(named)]
-        disk = self.disk
-        ring = self.ring_size
-        return plan_host_tiers(
-            sizes, freed, mode, self._available_bytes(),
-            ring_bytes=lambda tiers, tight: staging_ring_bytes(max((s for s, d in zip(sizes, tiers) if d), default=0),
-                                                               ring, tight),
-            margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(len(self.blocks))], chunk_bytes=CHUNK_BYTES,
-            padding_bytes=padding,
-            already_disk=[disk is not None and disk.holds(i) for i in range(len(self.blocks))],
-            read_rate=lambda: self._read_rate(named, waiting, mapped_files))
-
-    def _read_rate(self, named, waiting: Sequence[int], mapped_files: Optional[MappedFiles]):
-        """(bytes per second, in words) of the file system the disk blocks would be read from: the checkpoint where
-        the block latest in the step (the first to go to disk) is a mapped file's bytes, else the cache folder.
-        (None, why) where it cannot be measured: the disk tier then fails with its own message, if used at all."""
-        path = None
-        for _, param in named[max(waiting, default=len(named) - 1)]:
-            where = locate(param) or (mapped_files.locate(param) if mapped_files is not None else None)
-            if where is not None:
-                path = where[0]
-                break
-        path = path or self._disk_folder()
-        try:
-            rate = disk_read_rate(path)
-        except OSError as error:
-            return None, f"not measurable on {path}: {error}"
-        return rate.bytes_per_s, rate.how
-
-    def _available_bytes(self, beside_device: bool = True) -> Optional[int]:
-        """Host RAM free to this process; with ``beside_device``, less what a device living in host RAM will take
-        once the plan is armed (see :class:`HostEnvironment`)."""
-        probe = self.environment.available_host_bytes
-        free = available_host_bytes() if probe is None else probe()
-        device_takes = self.environment.device_bytes_from_host
-        if free is None or device_takes is None or not beside_device:
-            return free
-        # Packing's slack (its temporaries) is free again before the first forward takes the slots: kept once.
-        return max(0, free - max(0, device_takes() - PACKING_SLACK_BYTES))
-
-    def _disk_folder(self) -> str:
-        return default_disk_folder(self.environment.disk_folder)
-
     def _disk_tier(self, expected_bytes: int) -> DiskTier:
         if self.disk is None:
             pinner = self.pinner if self.pin_memory else None
-            self.disk = DiskTier(self._disk_folder(), self.ring_size, pinner=pinner,
+            self.disk = DiskTier(self.environment.cache_folder(), self.ring_size, pinner=pinner,
                                  expected_bytes=expected_bytes)
         plan = self.tier_plan
         self.disk.tight = plan is not None and plan.tight_ring
@@ -329,24 +172,18 @@ class HostSide:
     def tiers(self) -> List[str]:
         """Where each block's host copy lives now: "ram" or "disk" (before packing: the tier it will get)."""
         if self.store is None or not self.store.built:
-            plan = self._plan_tiers(range(len(self.blocks)))
+            plan = self.planner.plan(range(len(self.blocks)), disk=self.disk)
             return ["disk" if d else "ram" for d in plan.disk]
         return ["disk" if self.disk is not None and self.disk.holds(i) else "ram" for i in range(len(self.blocks))]
 
     def _pack(self, index: int, mapped_files: Optional[MappedFiles] = None) -> list:
         plan = self.tier_plan
         on_disk = (self.disk is not None and self.disk.holds(index)) or (plan is not None and plan.disk[index])
-        ring = plan.ring_bytes if plan is not None else 0
         named = block_parameters(self.blocks[index])
         nbytes = plan_layout(named).nbytes
-        # The device's share is taken when the first forward arms the plan, after packing: this block's peak sees
-        # the RAM as it is now (the tier plan already left the device its share of what packing keeps).
-        available = self._available_bytes(beside_device=False)
         # What would really fail: the block's new buffer (a disk block's write chunk) before ComfyUI's copy goes.
         need = min(nbytes, CHUNK_BYTES) if on_disk else nbytes
-        if available is not None and available < need + PACKING_SLACK_BYTES:
-            tiers = plan.disk if plan is not None else (False,) * len(self.blocks)
-            raise MemoryError(self._refusal(TierPlan(tiers, need, need, ring, available, 0)))
+        self.planner.check_room(need, plan, self.disk, self.pin_memory)
         with torch.inference_mode(self.inference_tensors):
             named = block_parameters(self.blocks[index])
             layout = self.store.layouts[index] = plan_layout(named)
@@ -392,7 +229,7 @@ class HostSide:
         requested = sum(sizes.values())
         chosen = set()
         if requested:
-            available = self._available_bytes()
+            available = self.planner.available_bytes()
             # The blocks are allocated already: what they take is available to lock them with.
             spare = None if available is None else available + requested
             cap = self.environment.pin_cap
@@ -451,23 +288,7 @@ class HostSide:
         waiting = [i for i in range(len(self.blocks)) if stale or self.store.buffers[i] is None]
         if not waiting:
             return None
-        plan = self._plan_tiers(waiting, mode)
-        if plan.shortfall() is None:
-            return None
-        return self._refusal(plan, settings, waiting)
-
-    def _refusal(self, plan: TierPlan, settings: Optional[str] = None, waiting: Optional[Sequence[int]] = None) -> str:
-        config = self._settings()
-        settings = settings or (f"resident_layers={config.resident_layers}, prefetch_size={config.prefetch_size}, "
-                                f"pin_memory={self.pin_memory}, host_store={config.host_store}")
-        unsupported = disk_tier_unsupported()
-        disk_fits = True
-        if unsupported is None and plan.disk_blocks < len(self.blocks):
-            waiting = range(len(self.blocks)) if waiting is None else waiting
-            disk_fits = self._plan_tiers(waiting, "disk").shortfall() is None
-        ring = (f"{self.ring_size} chunks of at most {disk_tier.CHUNK_BYTES / 2**20:.0f} MiB, "
-                f"{disk_tier.TIGHT_CHUNK_BYTES / 2**20:.0f} MiB where RAM is short")
-        return refusal(plan, settings, ring, len(self.blocks), unsupported, disk_fits)
+        return self.planner.shortfall(waiting, mode, self.disk, self.pin_memory, settings)
 
 
 def _block_pieces(layout, sources) -> Iterator[Tuple[int, torch.Tensor]]:

@@ -23,12 +23,12 @@ def weights_replan(monkeypatch):
     equal ``want`` bitwise. Returns the controller and the second plan."""
     import torch
     import comfy.model_management as mm
-    from layerwise_offload.nodes import controller as controller_module
+    from layerwise_offload.nodes import run_planning
     from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
     free = [2 ** 40]
     monkeypatch.setattr(mm, "get_free_memory", lambda dev=None, torch_free_too=False: (
         (free[0], free[0]) if torch_free_too else free[0]))
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)
+    monkeypatch.setattr(run_planning, "available_host_bytes", lambda: None)
 
     def replan(offloaded, want, sample):
         controller = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]

@@ -78,7 +78,7 @@ def test_auto_keeps_as_many_blocks_as_the_faked_free_memory_allows(monkeypatch):
 def test_on_the_cpu_loopback_auto_plans_from_the_ram_this_process_may_still_use(monkeypatch):
     """The loopback's "VRAM" is RAM: ComfyUI's host-wide free figure is blind to a memory cgroup, so auto plans
     from the smaller of it and what this process may still use (cgroup included), as a GPU of that size would."""
-    from layerwise_offload.nodes import controller as controller_module
+    from layerwise_offload.nodes import run_planning
     want = tiny_dits.sample(tiny_dits.build_tiny("wan21"), seed=3)
     mm.unload_all_models()
     model = offload_model(tiny_dits.build_tiny("wan21"), -1, 1, "leading", True)
@@ -87,10 +87,10 @@ def test_on_the_cpu_loopback_auto_plans_from_the_ram_this_process_may_still_use(
     reserve = int(mm.minimum_inference_memory())
     room_for_one = reserve + wan_activation_bytes() + sizes[0] + 2 * max(sizes[1:])
     fake_free_memory(monkeypatch, 10 * (room_for_one + sum(sizes)))  # the host-wide figure: plenty
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: room_for_one)  # the cgroup's
+    monkeypatch.setattr(run_planning, "available_host_bytes", lambda: room_for_one)  # the cgroup's
     assert torch.equal(tiny_dits.sample(model, seed=3), want)
     assert manager.schedule.resident_blocks == (0,)
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)  # unknown: ComfyUI's figure
+    monkeypatch.setattr(run_planning, "available_host_bytes", lambda: None)  # unknown: ComfyUI's figure
     assert torch.equal(tiny_dits.sample(model, seed=3), want)
     assert len(manager.schedule.resident_blocks) == 4
 

@@ -7,7 +7,7 @@ import torch
 import comfy.model_management as mm
 
 from layerwise_offload.devtools import tiny_dits
-from layerwise_offload.nodes import controller as controller_module
+from layerwise_offload.nodes import run_planning
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.offload import choose_resident_blocks, footprint
@@ -38,7 +38,7 @@ def test_auto_keeps_its_count_for_one_block_more_and_moves_for_two_or_to_fit(mon
     free = [0]
     monkeypatch.setattr(mm, "get_free_memory",
                         lambda dev=None, torch_free_too=False: (free[0], free[0]) if torch_free_too else free[0])
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)  # plan from ComfyUI's figure
+    monkeypatch.setattr(run_planning, "available_host_bytes", lambda: None)  # plan from ComfyUI's figure
 
     def run(count):
         free[0] = free_for(count, sizes) - manager.device_bytes()  # what we hold counts as free to our plan

@@ -66,7 +66,7 @@ def test_comfyuis_ram_cache_sees_the_host_store():
 
 
 def _available(monkeypatch, nbytes):
-    monkeypatch.setattr("layerwise_offload.offload.host.side.available_host_bytes", lambda: nbytes)
+    monkeypatch.setattr("layerwise_offload.offload.host.tier_planning.available_host_bytes", lambda: nbytes)
 
 
 def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
@@ -158,7 +158,7 @@ def test_on_the_cpu_loopback_the_host_store_leaves_the_devices_ram(monkeypatch, 
     available = 2**30
     _available(monkeypatch, available)
     # Packing's slack is kept once with the slots (it is free again by the first forward); tiny blocks hide under it.
-    monkeypatch.setattr("layerwise_offload.offload.host.side.PACKING_SLACK_BYTES", 0)
+    monkeypatch.setattr("layerwise_offload.offload.host.tier_planning.PACKING_SLACK_BYTES", 0)
     offloaded = offload_model(tiny_dits.build_tiny("wan21"), 1, 1, "leading", True, "auto")
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
     manager = controller_of(offloaded).manager

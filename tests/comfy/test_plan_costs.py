@@ -9,23 +9,23 @@ import comfy.sd
 
 from layerwise_offload.bench.measure import block_lora
 from layerwise_offload.devtools import quantized_models, tiny_dits
-from layerwise_offload.nodes import controller as controller_module
+from layerwise_offload.nodes import run_planning
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.offload import TIMING_GPU_ENV, block_parameters, gpu_costs, weight_nbytes
 
 
 @pytest.fixture
 def costs_seen(monkeypatch):
-    """Every ModelCosts the controller hands the plan choice, on the loopback planning as an RTX 4090 would."""
+    """Every ModelCosts the run planner hands the plan choice, on the loopback planning as an RTX 4090 would."""
     monkeypatch.setenv("LAYERWISE_OFFLOAD_CPU_LOOPBACK", "1")
     monkeypatch.setenv(TIMING_GPU_ENV, "RTX 4090 24GB")
     seen = []
-    choose = controller_module.choose_plan
+    choose = run_planning.choose_plan
 
     def recording(costs, gpu, candidates):
         seen.append(costs)
         return choose(costs, gpu, candidates)
-    monkeypatch.setattr(controller_module, "choose_plan", recording)
+    monkeypatch.setattr(run_planning, "choose_plan", recording)
     yield seen
     mm.unload_all_models()
 

@@ -13,7 +13,7 @@ import comfy.sd
 
 from layerwise_offload.bench.measure import block_lora
 from layerwise_offload.devtools import tiny_dits
-from layerwise_offload.nodes import controller as controller_module
+from layerwise_offload.nodes import run_planning
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.nodes.stats_view import stats_view
@@ -47,7 +47,7 @@ def budget(monkeypatch):
     free = [2 ** 40]
     monkeypatch.setattr(mm, "get_free_memory",
                         lambda dev=None, torch_free_too=False: (free[0], free[0]) if torch_free_too else free[0])
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)  # plan from ComfyUI's figure
+    monkeypatch.setattr(run_planning, "available_host_bytes", lambda: None)  # plan from ComfyUI's figure
     yield free
     mm.unload_all_models()
 
@@ -117,7 +117,7 @@ def test_without_a_card_auto_streams_whole_blocks(monkeypatch):
     free = overhead() + int(0.6 * sum(sizes))
     monkeypatch.setattr(mm, "get_free_memory",
                         lambda dev=None, torch_free_too=False: (free, free) if torch_free_too else free)
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)
+    monkeypatch.setattr(run_planning, "available_host_bytes", lambda: None)
     assert torch.equal(tiny_dits.sample(model, seed=3), want)
     assert manager.config.streamed_tail_bytes == 0 and not manager.device_memory.heads
     mm.unload_all_models()

@@ -81,11 +81,11 @@ def test_weight_units_of_flux_bitwise_for_whole_units(policy, prefetch):
 @pytest.fixture
 def free_memory(monkeypatch):
     """ComfyUI's free-memory figure, set per run; the loopback plans from it, not from the host's RAM."""
-    from layerwise_offload.nodes import controller as controller_module
+    from layerwise_offload.nodes import run_planning
     free = [2 ** 40]
     monkeypatch.setattr(mm, "get_free_memory",
                         lambda dev=None, torch_free_too=False: (free[0], free[0]) if torch_free_too else free[0])
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)
+    monkeypatch.setattr(run_planning, "available_host_bytes", lambda: None)
     yield free
     mm.unload_all_models()
 

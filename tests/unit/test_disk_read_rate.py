@@ -185,7 +185,7 @@ def test_blocks_read_from_a_checkpoint_measure_the_checkpoints_file_system(tmp_p
     model = ToyTransformer()
     model.load_state_dict(CheckpointFile(str(path)).state_dict(), assign=True)
     asked = []
-    monkeypatch.setattr("layerwise_offload.offload.host.side.disk_read_rate",
+    monkeypatch.setattr("layerwise_offload.offload.host.tier_planning.disk_read_rate",
                         lambda where: asked.append(where) or disk_read_rate(where))
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=0, host_store="disk",
                                       environment=HostEnvironment(disk_folder=str(tmp_path / "cache"),

@@ -168,14 +168,14 @@ def test_kept_entries_are_copied_into_every_chunk_they_span():
 
 def test_the_readmes_flux_staging_figures_are_the_accounting():
     """The README's before/after staging RAM for Flux.1-dev (host_store disk, prefetch 1) is what the pack's own
-    accounting gives over the template's real block sizes: now the plan's ring (``HostSide._plan_tiers``, the figure
+    accounting gives over the template's real block sizes: now the plan's ring (``TierPlanner.plan``, the figure
     packing and the refusals use), before prefetch + 2 whole page-padded blocks (the old ring)."""
     import json
     import re
     from pathlib import Path
 
-    from layerwise_offload.offload import OffloadConfig
-    from layerwise_offload.offload.host.side import HostEnvironment, HostSide
+    from layerwise_offload.offload import HostEnvironment, OffloadConfig
+    from layerwise_offload.offload.host.side import HostSide
 
     root = Path(__file__).resolve().parents[2]
     flux = next(t for t in json.loads((root / "devtools" / "template_plans.json").read_text())["templates"]
@@ -189,7 +189,7 @@ def test_the_readmes_flux_staging_figures_are_the_accounting():
     config = OffloadConfig(host_store="disk", prefetch_size=1)
     host = HostSide([Meta(n) for n in flux["block_bytes"]], torch.device("cpu"), lambda: config,
                     HostEnvironment(available_host_bytes=lambda: 2**40))
-    now = host._plan_tiers(range(len(flux["block_bytes"])), "disk").ring_bytes
+    now = host.planner.plan(range(len(flux["block_bytes"])), "disk").ring_bytes
     largest = max(flux["block_bytes"])
     before = (config.prefetch_size + 2) * padded(largest)
     line = re.search(r"For Flux\.1-dev's (\d+) MiB double blocks at prefetch 1 .*? gives (\d+) MiB before .*? and "

@@ -10,7 +10,8 @@ from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import HostEnvironment, OffloadConfig
 from layerwise_offload.offload.blocks.params import BlockParameters
 from layerwise_offload.offload.disk.tier import DiskTier
-from layerwise_offload.offload.host.side import HostSide, HostTier, RamTier
+from layerwise_offload.offload.host.side import HostSide
+from layerwise_offload.offload.host.tiers import HostTier, RamTier
 from layerwise_offload.offload.host.packing import block_parameters
 
 
