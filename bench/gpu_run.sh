@@ -28,9 +28,9 @@ WORK="${WORK:-/tmp/lwo_gpu}"
 # timing model's prediction for the same setting, per-block CUDA-event timelines in timeline.csv.
 PLAN=(
     "preflight   35 075 preflight"
-    "s075_flux   90 075 sidebyside --preset flux --lowvram --sweep"
+    "s075_flux   90 075 sidebyside --preset flux --lowvram --weights --sweep"
     "s075_wan   100 075 sidebyside --preset wan21_14b --lowvram --sweep"
-    "s033_flux   45 033 sidebyside --preset flux"
+    "s033_flux   45 033 sidebyside --preset flux --weights"
     "dyn033_flux 45 033 dynamic --preset flux"
     "lora_075    45 075 lora --preset wan21_14b"
     "fp8_033     50 033 fp8 --preset wan21_14b"

@@ -55,6 +55,7 @@ from ..devtools import comfy_env  # noqa: E402
 
 DRY_PRESETS = {"flux": "tiny", "wan21_14b": "tiny_wan"}  # what a dry run builds in a preset's place
 AUTO_POLICY = "auto"  # the node's residency_policy default (nodes/offload_node.py; not imported: ComfyUI comes later)
+WEIGHTS_POLICY = "weights"  # the node's weight-by-weight plan (the fewest bytes a step at a budget)
 HEADROOM = 3 << 29  # 1.5 GiB: ComfyUI keeps minimum_inference_memory + reserved VRAM free on top of its estimate
 TABLES: Dict[str, tuple] = {
     # One measured quantity per row: the preflight is a handful of numbers, not a grid.
@@ -408,8 +409,9 @@ class GpuHarness(Harness):
         controller, self._controller = self._controller, None
         if controller is None:
             return {}
-        return dict(policy=controller.config.policy, prefetch=controller.config.prefetch_size,
-                    tails=controller.manager.block_tails(controller.config))
+        # A weights plan's tails are per weight unit: the timing model's replay here is per block, so none is given.
+        tails = None if controller.discovered.streams_weights else controller.manager.block_tails(controller.config)
+        return dict(policy=controller.config.policy, prefetch=controller.config.prefetch_size, tails=tails)
 
     def setup(self):
         super().setup()
@@ -548,6 +550,8 @@ def sidebyside(args, tables, state) -> int:
             if args.lowvram:
                 h.comfy_lowvram(label, budget)
             h.layerwise(-1, 1, AUTO_POLICY, label, budget, mode="layerwise_auto")  # the node's defaults
+            if args.weights:  # the fewest bytes a step at this budget, and what it costs against auto and ComfyUI
+                h.layerwise(-1, 1, WEIGHTS_POLICY, label, budget, mode="layerwise_weights")
         if args.sweep:  # the whole device: every count fits, whatever the budgets allow
             for resident in sweep_counts(len(h.block_nbytes)):
                 h.layerwise(resident, 1, AUTO_POLICY, "device", None, mode="sweep", ballast=False, timeline=True)
@@ -822,6 +826,7 @@ def main(argv=None) -> int:
     parser.add_argument("--budgets", default="0.6,0.3", help="fractions of the blocks' bytes (largest first)")
     parser.add_argument("--lowvram", action="store_true", help="also ComfyUI's own partial loading per budget")
     parser.add_argument("--sweep", action="store_true", help="also fixed resident counts at the smallest budget")
+    parser.add_argument("--weights", action="store_true", help="also residency_policy weights per budget")
     parser.add_argument("--name", default="", help="the step's name in the CSVs (default: the step)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)

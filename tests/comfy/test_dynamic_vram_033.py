@@ -187,7 +187,7 @@ def test_streamed_tails_through_the_templates_chain(files, monkeypatch):
     """The templates' chain (Load Diffusion Model (Layerwise) -> node, auto) on 0.33's dynamic VRAM, with a card known
     to the timing model and a budget smaller than the model: auto streams tails, bitwise against 0.33's own
     dynamic run of the same model, and the same loaded model runs without the node after."""
-    from layerwise_offload.nodes import controller as controller_module
+    from layerwise_offload.nodes import run_planning
     from layerwise_offload.offload import TIMING_GPU_ENV, gpu_costs
 
     card = gpu_costs.GPUS["RTX 4090 24GB"]
@@ -202,10 +202,27 @@ def test_streamed_tails_through_the_templates_chain(files, monkeypatch):
     monkeypatch.setenv(TIMING_GPU_ENV, slow)
     monkeypatch.setattr(mm, "get_free_memory",
                         lambda dev=None, torch_free_too=False: (free, free) if torch_free_too else free)
-    monkeypatch.setattr(controller_module, "available_host_bytes", lambda: None)
+    monkeypatch.setattr(run_planning, "available_host_bytes", lambda: None)
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
     assert isinstance(manager.config.streamed_tail_bytes, tuple) and manager.device_memory.heads
     assert manager.stats().bytes_copied_last_forward == sum(manager.block_tails())
     monkeypatch.undo()
+    mm.unload_all_models()
+    assert torch.equal(tiny_dits.sample(model, seed=3), want)
+
+
+@pytest.mark.parametrize("loader", LOADERS)
+def test_weights_through_each_loader_chain(files, loader, weights_replan, reloads):
+    """residency_policy weights over 0.33's dynamic models, from every loader: the node takes the model ComfyUI
+    loaded (no reload), streams weight by weight within 60% of the units' bytes bitwise against 0.33's own dynamic
+    run, and the same loaded model runs without the node after."""
+    model = load(files, loader)
+    want = tiny_dits.sample(model, seed=3)  # 0.33's dynamic run, no node
+    reloads.clear()
+    offloaded = offload_model(model, -1, 1, "weights", True)
+    assert offloaded.model is model.model and not offloaded.is_dynamic()
+    controller, plan = weights_replan(offloaded, want, lambda patcher: tiny_dits.sample(patcher, seed=3))
+    assert controller.discovered.streams_weights and plan.resident_count < controller.manager.num_blocks
+    assert reloads == []
     mm.unload_all_models()
     assert torch.equal(tiny_dits.sample(model, seed=3), want)

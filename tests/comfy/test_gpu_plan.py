@@ -76,6 +76,13 @@ def test_dry_run_runs_every_step_and_writes_every_table(tmp_path):
         for row in sweep:  # each run beside the model's replay of the setting that ran
             assert row["policy"] in ("leading", "strided") and float(row["predicted_step_ms"]) > 0
             assert float(row["predicted_ratio_to_bound"]) > 0
+    for step in ("s075_flux", "s033_flux"):  # residency_policy weights beside auto at every budget, fewer bytes
+        auto = {r["budget"]: int(r["streamed_bytes_per_step"]) for r in rows
+                if r["step"] == step and r["mode"] == "layerwise_auto"}
+        weights = {r["budget"]: int(r["streamed_bytes_per_step"]) for r in rows
+                   if r["step"] == step and r["mode"] == "layerwise_weights"}
+        assert auto and weights.keys() == auto.keys(), (step, auto, weights)
+        assert all(weights[b] <= auto[b] for b in auto), (step, auto, weights)
     with open(folder / "timeline.csv", newline="") as f:
         timeline = list(csv.DictReader(f))
     for step in ("s075_flux", "s075_wan"):

@@ -167,10 +167,14 @@ def test_the_node_completes_wherever_comfyui_alone_does(cgroup_server):
     assert HEADROOM < block + 512 * MiB  # the old guard's need: it refused here
     alone = run(server, cgroup, limit, "cgroup/alone")
     slots = 2 * block  # prefetch 1: two streaming slots, the loopback's VRAM
-    for resident, host_store, extra in ((0, "ram", slots), (0, "auto", slots), (4096, "ram", blocks)):
-        offload = {"resident_layers": resident, "prefetch_size": 1, "host_store": host_store}
-        got = run(server, cgroup, limit + extra, f"cgroup/r{resident}_{host_store}", offload)
-        assert torch.equal(got, alone), f"resident_layers={resident}, host_store={host_store}: not ComfyUI's latent"
+    # residency_policy weights plans its "VRAM" from what the cgroup leaves: at most two blocks' worth of slots here
+    for resident, host_store, extra, policy in ((0, "ram", slots, "auto"), (0, "auto", slots, "auto"),
+                                                (4096, "ram", blocks, "auto"), (-1, "ram", slots, "weights")):
+        offload = {"resident_layers": resident, "prefetch_size": 1, "host_store": host_store,
+                   "residency_policy": policy}
+        got = run(server, cgroup, limit + extra, f"cgroup/r{resident}_{host_store}_{policy}", offload)
+        assert torch.equal(got, alone), (f"resident_layers={resident}, host_store={host_store}, "
+                                         f"residency_policy={policy}: not ComfyUI's latent")
     assert server.alive()
     log = server.log_text()
     assert "host memory is short" not in log, server.log_tail(30)
