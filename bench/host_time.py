@@ -62,13 +62,23 @@ WIDTH = 32
 LINEARS = 10
 
 
-class IdentityBlock(nn.Module):
-    """Ten linears' parameters and ten norm weights; the forward reads none of them (compute is not measured)."""
+class IdentityLinear(nn.Module):
+    """A linear's weight and bias, read by nothing: called, it runs the hooks a weight unit streams under."""
 
-    def __init__(self, make_weight: Callable[[torch.Tensor], torch.Tensor], other_dtype: torch.dtype, seed: int):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class IdentityBlock(nn.Module):
+    """Ten linears' parameters and ten norm weights; the forward reads none of them (compute is not measured).
+    With ``call_linears`` it calls each linear (``--units``: the manager's hooks are on them), else none."""
+
+    def __init__(self, make_weight: Callable[[torch.Tensor], torch.Tensor], other_dtype: torch.dtype, seed: int,
+                 call_linears: bool = False):
         super().__init__()
         generator = torch.Generator().manual_seed(seed)
-        self.linears = nn.ModuleList(nn.Module() for _ in range(LINEARS))
+        self.call_linears = call_linears
+        self.linears = nn.ModuleList(IdentityLinear() for _ in range(LINEARS))
         for linear in self.linears:
             weight = torch.randn(WIDTH, WIDTH, generator=generator) / WIDTH ** 0.5
             linear.weight = nn.Parameter(make_weight(weight), requires_grad=False)
@@ -77,6 +87,9 @@ class IdentityBlock(nn.Module):
                                       for _ in range(LINEARS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.call_linears:
+            for linear in self.linears:
+                x = linear(x)
         return x
 
 
@@ -137,7 +150,7 @@ def gguf_tensor_maker(folder: str) -> Optional[Callable[[torch.Tensor], torch.Te
     return make
 
 
-def build(fmt: str, blocks: int, folder: str) -> Optional[Toy]:
+def build(fmt: str, blocks: int, folder: str, call_linears: bool = False) -> Optional[Toy]:
     if fmt == "bf16":
         make, other = (lambda w: w.to(torch.bfloat16)), torch.bfloat16
     elif fmt == "fp8":
@@ -150,7 +163,7 @@ def build(fmt: str, blocks: int, folder: str) -> Optional[Toy]:
         raise ValueError(f"unknown format {fmt!r}")
     if make is None:
         return None
-    return Toy([IdentityBlock(make, other, seed) for seed in range(blocks)])
+    return Toy([IdentityBlock(make, other, seed, call_linears) for seed in range(blocks)])
 
 
 CLOCKS = {"thread": time.thread_time, "wall": time.perf_counter}
@@ -173,17 +186,24 @@ def _median_forwards(models, x: torch.Tensor, forwards: int, clock) -> List[floa
 
 
 def measure(fmt: str, blocks: int, repeats: int, forwards: int, folder: str,
-            clock=time.thread_time, tail_fraction: float = 0.0) -> Optional[Dict[str, float]]:
-    bare, offloaded = build(fmt, blocks, folder), build(fmt, blocks, folder)
+            clock=time.thread_time, tail_fraction: float = 0.0, units: bool = False) -> Optional[Dict[str, float]]:
+    """``units``: the manager streams each linear on its own (residency_policy weights), the norms stay put; the
+    figure is then per streamed unit."""
+    bare, offloaded = build(fmt, blocks, folder, units), build(fmt, blocks, folder, units)
     if bare is None:
         return None
-    params = sum(1 for _ in offloaded.blocks[0].parameters())
+    pieces = list(offloaded.blocks)
+    if units:
+        found = offload.weight_units(pieces)
+        found.place_rest("cpu")
+        pieces = list(found.units)
+    params = sum(1 for _ in pieces[0].parameters())
     tails = 0
     if tail_fraction:  # every block streams the tail its layout allows within this fraction of it
         packing = importlib.import_module(offload.__name__ + ".host.packing")
-        layout = packing.plan_layout(offload.block_parameters(offloaded.blocks[0]))
+        layout = packing.plan_layout(offload.block_parameters(pieces[0]))
         tails = max(1, int(layout.nbytes * tail_fraction))
-    manager = offload.apply_layerwise_offload(list(offloaded.blocks), "cpu", root=offloaded, resident_layers=0,
+    manager = offload.apply_layerwise_offload(pieces, "cpu", root=offloaded, resident_layers=0,
                                               prefetch_size=1, streamed_tail_bytes=tails)
     x = torch.zeros(1, WIDTH)
     per_block = []
@@ -197,7 +217,7 @@ def measure(fmt: str, blocks: int, repeats: int, forwards: int, folder: str,
             with_manager, without = _median_forwards((offloaded, bare), x, forwards, clock)
             per_block.append((with_manager - without) / streamed * 1e3)
         stats = manager.stats()
-    assert stats.streamed_blocks == blocks and stats.copies_last_forward >= blocks, stats
+    assert stats.streamed_blocks == len(pieces) and stats.copies_last_forward >= len(pieces), stats
     manager.detach()
     return {"ms_per_block": statistics.median(per_block), "ms_per_block_min": min(per_block),
             "params_per_block": params}
@@ -225,6 +245,9 @@ def main(argv=None) -> int:
                              "busy machine); wall: elapsed time")
     parser.add_argument("--tail-fraction", type=float, default=0.0,
                         help="stream tails of at most this fraction of each block (streamed_tail_bytes); 0: whole")
+    parser.add_argument("--units", action="store_true",
+                        help="stream weight units (each linear on its own, residency_policy weights) instead of "
+                             "blocks: the figure is per streamed unit (the blocks column counts units)")
     parser.add_argument("--append", action="store_true", help="append to the CSV instead of rewriting it")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -233,11 +256,12 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as folder:
         for fmt in args.formats.split(","):
             result = measure(fmt, args.blocks, args.repeats, args.forwards, folder, CLOCKS[args.clock],
-                             args.tail_fraction)
+                             args.tail_fraction, args.units)
             if result is None:
                 continue
             row = {"format": fmt, "phase": args.phase, "ms_per_block": f"{result['ms_per_block']:.4f}",
-                   "ms_per_block_min": f"{result['ms_per_block_min']:.4f}", "blocks": args.blocks,
+                   "ms_per_block_min": f"{result['ms_per_block_min']:.4f}",
+                   "blocks": args.blocks * LINEARS if args.units else args.blocks,
                    "params_per_block": result["params_per_block"], "repeats": args.repeats,
                    "forwards": args.forwards, "clock": args.clock, "torch": torch.__version__,
                    "machine": f"{platform.machine()} {platform.processor() or ''}".strip()}

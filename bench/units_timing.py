@@ -11,8 +11,10 @@ next unit's copy overlaps them; work in a block before its first unit is charged
 copy: pessimistic). The full model repeats each block's units in the order its forward called them. At each G5
 budget (0.3/0.5/0.7/0.9 of the weights, the non-unit weights placed first) the engine's plan over these units
 (``plan_weight_units``) at prefetch 1, 2, 4 and 8 is timed on the four reference cards by the timing model (the real
-manager's schedule, replayed with durations). Host costs per streamed unit are the measured per-block ones
-(re-pointing 30 parameters, where a unit has 1-2: pessimistic); kernel launches are a block's spread over its units
+manager's schedule, replayed with durations). Host costs per streamed unit are the per-block ones of
+``offload/gpu_costs.py`` times the unit-to-block ratio measured per weight format in one run of bench/host_time.py
+(``bench/results/host_time_units.csv``: phase ``units`` over phase ``blocks``, 0.4-0.9: the hooks cost about as much
+as the re-pointing of a block's 30 parameters); kernel launches are a block's spread over its units
 plus 20 us for the two hooks. ``g5_over_comfy``: the plan's bytes per step over ComfyUI 0.3.75's at the same budget
 (bench/results/g5_bytes_per_step.csv). Writes ``units_timing.csv``.
 """
@@ -33,6 +35,18 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from ..devtools import comfy_env  # noqa: E402
 from ..offload import plan_streamed_tails, plan_weight_units, weight_units  # noqa: E402
+
+HOST_TIME_UNITS = Path(__file__).resolve().parent / "results" / "host_time_units.csv"
+
+
+def unit_host_ratios(path: Path = HOST_TIME_UNITS) -> dict:
+    """Per weight format, a streamed unit's host time over a streamed block's, both measured in the same run."""
+    with path.open(newline="") as f:
+        rows = {(r["format"], r["phase"]): float(r["ms_per_block"]) for r in csv.DictReader(f)}
+    return {fmt: rows[(fmt, "units")] / rows[(fmt, "blocks")] for fmt, phase in rows if phase == "blocks"}
+
+
+UNIT_HOST_RATIO = unit_host_ratios()
 from ..offload import timing_model as tm  # noqa: E402
 from ..offload.host.packing import block_parameters, plan_layout  # noqa: E402
 from .activation_memory import FAMILIES, block_lists, meta_forward  # noqa: E402
@@ -112,7 +126,8 @@ def rows(keys=None, gpus=None, prefetches=PREFETCHES, results: Path = Path(__fil
                 flops += kind_flops
         total_weights = sum(p.numel() * p.element_size() for p in _full_model_params(t))
         rest = total_weights - sum(sizes)
-        host = tm.HOST_S_PER_STREAMED_BLOCK_BY_FORMAT[HOST_FORMAT.get(t.key, "bf16")]
+        host_format = HOST_FORMAT.get(t.key, "bf16")
+        host = tm.HOST_S_PER_STREAMED_BLOCK_BY_FORMAT[host_format] * UNIT_HOST_RATIO[host_format]
         launch = tm.LAUNCH_S_PER_BLOCK * len(per_kind) / sum(len(k[0]) for k in per_kind) + HOOKS_S_PER_UNIT
         scaled = [int(s * scale) for s in sizes]
         cast = None
