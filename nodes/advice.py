@@ -17,7 +17,21 @@ HIDDEN_STALL_FRACTION = 0.02
 
 # One letter per block in call order: kept in VRAM, copied in from RAM every step, read from disk every step.
 RESIDENT, STREAMED, ON_DISK = "R", "S", "D"
-TIER_WORDS = {RESIDENT: "in VRAM", STREAMED: "streamed from RAM", ON_DISK: "streamed from disk"}
+PARTLY_RESIDENT = "P"
+TIER_WORDS = {RESIDENT: "in VRAM", PARTLY_RESIDENT: "partly in VRAM", STREAMED: "streamed from RAM",
+              ON_DISK: "streamed from disk"}
+
+
+def tiers_by_block(unit_tiers: str, block_of, num_blocks: int) -> str:
+    """Weight units' letters (:func:`block_tiers`) folded into one per transformer block: a block whose units all have
+    one letter keeps it, one with some units in VRAM and some streamed is partly resident, and one without units (its
+    few weights stay with the model's other weights) is in VRAM. A real model has hundreds of units; the Stats
+    node's map shows its blocks."""
+    letters = [set() for _ in range(num_blocks)]
+    for letter, block in zip(unit_tiers, block_of):
+        letters[block].add(letter)
+    return "".join(RESIDENT if not found else next(iter(found)) if len(found) == 1
+                   else PARTLY_RESIDENT if RESIDENT in found else STREAMED for found in letters)
 
 
 def block_tiers(stats) -> str:

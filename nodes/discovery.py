@@ -38,6 +38,7 @@ class DiscoveredBlocks:
     # With residency_policy weights, ``blocks`` are the weight units of the transformer blocks (offload/units.py),
     # and these the transformer blocks themselves
     transformer_blocks: Tuple[nn.Module, ...] = ()
+    block_of: Tuple[int, ...] = ()  # with weight units: per unit, the index of its transformer block
 
     @property
     def streams_weights(self) -> bool:
@@ -87,4 +88,4 @@ def as_weight_units(discovered: DiscoveredBlocks) -> DiscoveredBlocks:
     prefixes = tuple(discovered.prefixes[block] + (name.split(".", 1)[1] + "." if "." in name else "")
                      for name, block in zip(units.names, units.block_of))
     return DiscoveredBlocks(discovered.family, discovered.attributes, units.units, prefixes,
-                            transformer_blocks=discovered.blocks)
+                            transformer_blocks=discovered.blocks, block_of=units.block_of)

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import comfy.model_management
 
 from ..offload import format_bytes
-from .advice import TIER_WORDS, activation_words, seconds
+from .advice import TIER_WORDS, activation_words, seconds, tiers_by_block
 
 UI_KEY = "layerwise_offload"
 PASSTHROUGH_ATTACHMENT = "layerwise_offload_passed_through"
@@ -72,13 +72,22 @@ def host_store_line(controller) -> Optional[str]:
     return f"host store: {plan.disk_blocks} of {len(plan.disk)} blocks on disk ({plan.reason})"
 
 
+def _block_letters(report, controller) -> str:
+    """The map's letters, one per transformer block (weight units folded into their blocks)."""
+    letters = report.block_tiers or "R" * report.resident_blocks + "S" * report.streamed_blocks
+    discovered = getattr(controller, "discovered", None)
+    if discovered is not None and discovered.block_of and len(letters) == len(discovered.block_of):
+        return tiers_by_block(letters, discovered.block_of, len(discovered.whole_blocks))
+    return letters
+
+
 def _picture(report, controller) -> dict:
     card = _card_bytes(controller.device)
     ram_total = _total_ram()
     loopback = report.device_type == "cpu"
     unit = report.step_word
     return {
-        "blocks": report.block_tiers or "R" * report.resident_blocks + "S" * report.streamed_blocks,
+        "blocks": _block_letters(report, controller),
         "tiers": TIER_WORDS,
         "vram": {"label": "VRAM (RAM here)" if loopback else "VRAM",
                  "blocks": report.peak_device_bytes, "other": report.other_device_bytes, "total": card,

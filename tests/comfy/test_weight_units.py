@@ -150,8 +150,14 @@ def test_the_node_streams_weight_units_bitwise_within_the_free_vram(free_memory,
     assert all(plan.streamed_bytes < other.streamed_bytes for other in whole + [tails] if other is not None)
     if lora:
         assert manager.after_copy is not None  # the blocks' LoRA on the device, unit by unit
-    text, _ = stats_view(model)  # what the Stats node shows: layers, not blocks, and the weights plan
+    text, picture = stats_view(model)  # what the Stats node shows: layers, not blocks, and the weights plan
     assert f"of {manager.num_blocks} layers in VRAM" in text and "weights: " in text, text
+    # its map: one cell per transformer block, partly resident where some of its layers stream
+    unit_tiers = manager.stats().block_tiers
+    for index, letter in enumerate(picture["blocks"]):
+        mine = {tier == "resident" for tier, block in zip(unit_tiers, controller.discovered.block_of) if block == index}
+        assert letter == ("R" if mine <= {True} else "S" if mine == {False} else "P"), (index, picture["blocks"])
+    assert len(picture["blocks"]) == len(controller.discovered.whole_blocks)
     assert controller.last_report.headline().endswith("in VRAM)") or "layers" in controller.last_report.headline()
     # ComfyUI alone again on the same loaded model: the same output, nothing of ours in the way
     mm.unload_all_models()

@@ -117,3 +117,9 @@ def test_block_map_shows_blocks_on_disk(tmp_path):
     assert len(resident) == 2
     assert block_tiers(stats) == "".join("R" if i in resident else "D" for i in range(5))
     manager.detach()
+
+
+def test_weight_units_fold_into_one_letter_per_block():
+    from layerwise_offload.nodes.advice import tiers_by_block
+    # block 0: all in VRAM; 1: part resident, part streamed; 2: all streamed; 3: from disk; 4: no units at all
+    assert tiers_by_block("RRRSSSDD", (0, 1, 0, 1, 2, 2, 3, 3), 5) == "RPSDR"

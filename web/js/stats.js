@@ -15,6 +15,7 @@ const WIDTH = 400; // graph units: the node is made at least this wide, so block
 
 const COLOURS = {
   R: "#2ea043", // in VRAM
+  P: "#a3b139", // partly in VRAM: a block whose layers are part resident, part streamed (residency_policy weights)
   S: "#f0883e", // streamed from RAM
   D: "#8957e5", // streamed from disk
   other: "#1f6feb", // the model's other weights on the device
@@ -27,7 +28,7 @@ const COLOURS = {
   text: "#e6edf3",
   dim: "#9da7b3",
 };
-const TIER_NAMES = { R: "in VRAM", S: "streamed from RAM", D: "streamed from disk" };
+const TIER_NAMES = { R: "in VRAM", P: "partly in VRAM", S: "streamed from RAM", D: "streamed from disk" };
 
 function el(tag, style, text) {
   const node = document.createElement(tag);
@@ -53,7 +54,7 @@ function blockMap(blocks) {
 
 function legend(blocks) {
   const row = el("div", { display: "flex", flexWrap: "wrap", gap: "4px 14px", fontSize: "16px", margin: "2px 0 6px" });
-  for (const tier of ["R", "S", "D"]) {
+  for (const tier of ["R", "P", "S", "D"]) {
     const count = [...blocks].filter((t) => t === tier).length;
     if (!count) continue;
     const item = el("span", { display: "inline-flex", alignItems: "center", gap: "5px" });
