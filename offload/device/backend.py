@@ -69,10 +69,11 @@ class StreamBackend:
 
     asynchronous = True
 
-    def __init__(self, device: torch.device, measure_time: bool = True):
+    def __init__(self, device: torch.device, measure_time: bool = True, module=None):
         self.device = device
         self.measure_time = measure_time
-        self.module = torch.get_device_module(device)
+        # ``module``: what answers for ``torch.cuda`` (tests/cuda_standin.py runs this class on the CPU with it).
+        self.module = module if module is not None else torch.get_device_module(device)
         self.copy_stream = self.module.Stream(device=device)
         self.transform_stream = None  # made at the first after-copy transform (a LoRA on the device)
         self.copy_seconds = 0.0
@@ -142,12 +143,17 @@ class StreamBackend:
         return event
 
     def settle(self, block: bool = True) -> None:
-        """Fold finished timing events into the totals; with ``block`` wait for all of them."""
+        """Fold finished timing events into the totals; with ``block`` wait for all of them.
+
+        ``elapsed_time`` raises unless both of its events are complete, and the two of a pair are on different
+        streams (a stall's start on the compute stream, its end on the copy stream): a copy that ended before
+        compute reached its wait leaves the end complete and the start not, while the host runs ahead."""
         keep = []
         for start, end, is_stall in self._pending:
             if block:
+                start.synchronize()
                 end.synchronize()
-            elif not end.query():
+            elif not (end.query() and start.query()):
                 keep.append((start, end, is_stall))
                 continue
             seconds = start.elapsed_time(end) / 1000.0
