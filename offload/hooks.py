@@ -15,19 +15,27 @@ compiler_disable = torch.compiler.disable
 def cuda_graph_refusal(compile_kwargs: Optional[dict]) -> Optional[str]:
     """Why these torch.compile settings cannot run with streamed blocks, or None when they can.
 
-    CUDA graphs (``mode="reduce-overhead"`` / ``"max-autotune"``, or inductor's ``triton.cudagraphs``) replay
-    the kernels with the addresses they were recorded with, while a streamed block's weights live in whichever
-    slot the prefetch gave it this forward: a replay would read another block's weights, silently."""
+    CUDA graphs (``mode="reduce-overhead"`` / ``"max-autotune"``, inductor's ``triton.cudagraphs``, or the
+    ``cudagraphs`` backend, which ComfyUI's TorchCompileModel offers) replay the kernels with the addresses they
+    were recorded with, while a streamed block's weights live in whichever slot the prefetch gave it this forward:
+    a replay would read another block's weights, or record again at every change."""
     if not compile_kwargs:
         return None
     mode = str(compile_kwargs.get("mode") or "")
     options = compile_kwargs.get("options") or {}
-    if mode in ("reduce-overhead", "max-autotune") or options.get("triton.cudagraphs"):
+    backend = compile_kwargs.get("backend")
+    backend_name = backend if isinstance(backend, str) else getattr(backend, "__name__", "")
+    if backend_name == "cudagraphs":
+        what = "backend='cudagraphs'"
+    elif mode in ("reduce-overhead", "max-autotune") or options.get("triton.cudagraphs"):
         what = f"mode={mode!r}" if mode else "options triton.cudagraphs"
+    else:
+        what = None
+    if what is not None:
         return (f"[layerwise-offload] torch.compile with CUDA graphs ({what}) cannot run with streamed blocks: a "
                 "graph replays the weight addresses it recorded, and streamed weights move between slots every "
-                "forward. Use mode 'default' or 'max-autotune-no-cudagraphs' in the compile node, or keep every "
-                "block resident (resident_layers = the block count).")
+                "forward. Use the inductor backend with mode 'default' or 'max-autotune-no-cudagraphs' in the compile "
+                "node, or keep every block resident (resident_layers = the block count).")
     return None
 
 

@@ -42,36 +42,46 @@ def block_flops(block: nn.Module, tokens: int, batch: int = 1) -> float:
 
 @functools.lru_cache(maxsize=None)
 def _measured_gpu(index: int) -> Optional[GpuSpec]:
-    """This CUDA device's own figures, from three short timings (once per process): a pinned host-to-device copy,
-    a bf16 matmul, a device-to-device copy. None when the device has no room for them."""
-    device = torch.device("cuda", index)
+    """This CUDA device's own figures, measured once per process (:func:`measure_device`)."""
+    return measure_device(torch.device("cuda", index), torch.cuda)
+
+
+def measure_device(device: torch.device, module, copy_bytes: int = 64 * 2 ** 20,
+                   matmul_size: int = 4096) -> Optional[GpuSpec]:
+    """``device``'s figures from three short timings: a pinned host-to-device copy, a bf16 matmul, a
+    device-to-device copy. ``module`` answers for ``torch.cuda``. None when the device has no room for them.
+
+    The work and its timing events go on ``device``'s own current stream, whichever device is current: an event
+    recorded with no stream lands on the current device's, and would time nothing of this one's."""
     try:
+        stream = module.current_stream(device)
+
         def timed(work, repeats=5):
             work()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start, end = module.Event(enable_timing=True), module.Event(enable_timing=True)
             best = float("inf")
             for _ in range(repeats):
-                start.record()
+                start.record(stream)
                 work()
-                end.record()
+                end.record(stream)
                 end.synchronize()
                 best = min(best, start.elapsed_time(end) / 1e3)
             return best
-        nbytes = 64 * 2 ** 20
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        h2d = nbytes / timed(lambda: dst.copy_(host, non_blocking=True))
-        src = torch.empty_like(dst)
-        hbm = 2 * nbytes / timed(lambda: dst.copy_(src))
-        del host, src, dst
-        n = 4096
-        a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-        b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-        matmul = 2.0 * n ** 3 / timed(lambda: a @ b)
-        del a, b
+        with module.stream(stream):  # torch.cuda.stream also makes the stream's device the current one
+            host = torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            dst = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+            h2d = copy_bytes / timed(lambda: dst.copy_(host, non_blocking=True))
+            src = torch.empty_like(dst)
+            hbm = 2 * copy_bytes / timed(lambda: dst.copy_(src))
+            del host, src, dst
+            n = matmul_size
+            a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+            b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+            matmul = 2.0 * n ** 3 / timed(lambda: a @ b)
+            del a, b
     except (RuntimeError, torch.cuda.OutOfMemoryError):
         return None
-    properties = torch.cuda.get_device_properties(device)
+    properties = module.get_device_properties(device)
     return GpuSpec(properties.name, properties.total_memory, h2d, matmul, hbm, "measured at the first run")
 
 

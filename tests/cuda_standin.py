@@ -224,6 +224,12 @@ _FREE_OPS = {aten.empty.memory_format, aten.empty_strided.default, aten.detach.d
              aten._local_scalar_dense.default}
 
 
+@dataclass
+class _Properties:
+    name: str
+    total_memory: int
+
+
 class _Dispatch(TorchDispatchMode):
     def __init__(self, cuda: "CudaStandIn"):
         super().__init__()
@@ -307,6 +313,9 @@ class CudaStandIn:
 
     def is_available(self) -> bool:
         return True
+
+    def get_device_properties(self, device=None):
+        return _Properties("CUDA stand-in", 80 * 2**30)
 
     # ------------------------------------------------------------------ what memory is what
     @contextlib.contextmanager

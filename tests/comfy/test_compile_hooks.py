@@ -44,9 +44,11 @@ def test_compiled_forwards_do_not_recompile(loopback):
     assert controller.manager.stats().copies_last_forward > 0  # the hooks did stream the blocks
 
 
-@pytest.mark.parametrize("settings", [dict(mode="reduce-overhead"), dict(options={"triton.cudagraphs": True})])
-def test_cuda_graphs_are_refused_with_streamed_blocks(loopback, settings):
+@pytest.mark.parametrize("backend, settings", [("inductor", dict(mode="reduce-overhead")),
+                                               ("inductor", dict(options={"triton.cudagraphs": True})),
+                                               ("cudagraphs", {})])  # TorchCompileModel's second backend (0.33)
+def test_cuda_graphs_are_refused_with_streamed_blocks(loopback, backend, settings):
     patcher = offload_model(tiny_dits.build_wan21(), 1, 1, "leading", False)
-    set_torch_compile_wrapper(patcher, backend="inductor", **settings)
+    set_torch_compile_wrapper(patcher, backend=backend, **settings)
     with pytest.raises(RuntimeError, match="CUDA graphs .* cannot run with streamed blocks"):
         tiny_dits.sample(patcher, steps=1)

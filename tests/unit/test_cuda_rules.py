@@ -336,3 +336,37 @@ def test_a_kernel_reading_a_blocks_host_copy_is_a_fault(x, tmp_path):
         with pytest.raises(CudaRuleBroken, match="a host tensor in a device computation"):
             with torch.no_grad(), cuda.forward():
                 blocks[3].mix(x)  # the weights outside any hook
+
+
+def test_auto_times_the_device_it_plans_for_not_the_current_one():
+    """On a second GPU, auto's own timings (offload/plan_choice.py) run on that GPU's stream: events recorded
+    without a stream land on the current device's and would time nothing of it."""
+    from layerwise_offload.offload.plan_choice import measure_device
+    from layerwise_offload.tests.cuda_standin import Stream
+
+    class TwoDevices(CudaStandIn):
+        def __init__(self):
+            super().__init__(flops_per_ms=1e6)
+            self.second = Stream(self, "compute:1")
+            self.streams.append(self.second)
+            self.recorded = []
+
+        def current_stream(self, device=None):
+            return self.second if device is not None else self.current
+
+        def Event(self, enable_timing=False, **kwargs):
+            event = super().Event(enable_timing, **kwargs)
+            record = event.record
+
+            def recording(stream=None):
+                record(stream)
+                self.recorded.append(event.stream)
+            event.record = recording
+            return event
+
+    cuda = TwoDevices()
+    with cuda.running():
+        spec = measure_device(torch.device("cpu"), cuda, copy_bytes=4096, matmul_size=16)
+    assert spec is not None and spec.h2d_bytes_per_s > 0 and spec.matmul_flops_per_s > 0
+    assert cuda.recorded and set(cuda.recorded) == {"compute:1"}
+    assert cuda.compute.tail == 0.0  # nothing ran on the current device's stream
