@@ -118,6 +118,11 @@ class LayerwiseOffloadManager:
     def is_materialized(self, index: int) -> bool:
         return self.states.materialized[index]
 
+    def points_at_device(self, index: int) -> bool:
+        """Whether block ``index``'s parameters view its device copy: materialized, and run (or waited for) since it
+        was copied in. A block copied in ahead of its run points at its host copy until its pre-hook."""
+        return self.states.pointed(index)
+
     def materialized_blocks(self) -> List[int]:
         return self.states.materialized_blocks()
 
@@ -159,19 +164,10 @@ class LayerwiseOffloadManager:
 
     @compiler_disable
     def end_forward(self, completed: bool = True) -> None:
-        """Close a forward: learn its call order, and keep what it prefetched out of outside code's reach.
-
-        Blocks prefetched for the next forward sit in device memory whose copy may still be in flight on the
-        copy stream. Code outside the hooks (ComfyUI reading weights, a run of this model without the offload)
-        would read them without waiting; making the compute stream wait here instead would hold everything
-        queued after this forward (the sampler's math, the next forward's resident blocks) behind the next
-        forward's first copies. So their parameters point back at the host copy (or the placeholders) until
-        their block's pre-hook waits for the copy on the compute stream and points them at the device again.
-        """
+        """Close a forward: learn its call order (what it prefetched for the next one stays unpointed, see
+        blocks/states.py)."""
         self.counters.end_forward()
         self.calls.end(completed)
-        for index in self.states.hide_pending():
-            self._point_released(index)
         if self._release_after_forward:
             self.release_all()
 
@@ -190,8 +186,8 @@ class LayerwiseOffloadManager:
             self.backend.wait_for_copy(handle)
         if states.head_pending:  # a streamed block's head copied by the arming: waited for once
             self.backend.wait_for_copy(states.head_pending.pop(index, None))
-        views = states.unhide(index)
-        if views is not None:  # prefetched by the last forward (end_forward): the wait is queued now
+        views = states.to_point(index)
+        if views is not None:  # copied in since it last ran: the wait for its bytes is queued now
             self._point_at(index, views)
         states.running[index] += 1
         states.deferred[index] = self._prefetch_after(index, pageable=False)
@@ -336,7 +332,6 @@ class LayerwiseOffloadManager:
         handle = self.copier.copy(self.backend, index, destination, source, after, views, bounce_pinner=bounce,
                                   written=written)
         self.host.copied(index, handle)
-        self._point_at(index, views)
         self.states.copied_in(index, views, handle)
         self.counters.count_copy(index, layout.nbytes - split, resident=self.schedule.resident[index])
         self._note_peaks()

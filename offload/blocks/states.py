@@ -1,6 +1,10 @@
-"""Each block's state on the device, as the manager's step moves it: copied in (materialized), waited for, running,
-released; and hidden, a block prefetched by the last forward whose parameters point back at its host copy until
-its own pre-hook queues the wait for its copy (see ``LayerwiseOffloadManager.end_forward``)."""
+"""Each block's state on the device, as the manager's step moves it: copied in (materialized), waited for and
+pointed at, running, released.
+
+A block copied in is not pointed at its device copy until its own pre-hook has queued the compute stream's wait
+for that copy: until then its bytes may still be in flight, and code that reads the parameters outside the hooks
+(ComfyUI, another model's run, a model that uses a block's weights without calling it) must not see them. It keeps
+pointing at its host copy (or the placeholders) meanwhile, as a released block does."""
 
 from __future__ import annotations
 
@@ -22,17 +26,18 @@ class BlockStates:
         self.deferred: List[bool] = [False] * self.num_blocks
         self._pending: List[Optional[object]] = [None] * self.num_blocks  # the copy compute has not waited for yet
         self._device_views: Dict[int, list] = {}  # what a materialized block's parameters view on the device
-        self._hidden: set = set()
+        self._unpointed: set = set()  # materialized blocks not yet pointed at their device views
         self.head_pending: Dict[int, object] = {}  # streamed block -> its head's copy, not waited for yet
 
     def materialized_blocks(self) -> List[int]:
         return [i for i, m in enumerate(self.materialized) if m]
 
     def copied_in(self, index: int, views: list, handle) -> None:
-        """Block ``index``'s copy into ``views`` is queued (``handle``) and its parameters point there."""
+        """Block ``index``'s copy into ``views`` is queued (``handle``); its parameters point there from its
+        pre-hook on (:meth:`to_point`)."""
         self._pending[index] = handle
         self._device_views[index] = views
-        self._hidden.discard(index)
+        self._unpointed.add(index)
         if not self.materialized[index]:
             self.materialized[index] = True
             self.count += 1
@@ -42,7 +47,7 @@ class BlockStates:
             self.materialized[index] = False
             self.count -= 1
         self._pending[index] = None
-        self._hidden.discard(index)
+        self._unpointed.discard(index)
         self._device_views.pop(index, None)
 
     def take_pending(self, index: int):
@@ -50,15 +55,14 @@ class BlockStates:
         handle, self._pending[index] = self._pending[index], None
         return handle
 
-    def hide_pending(self) -> List[int]:
-        """The materialized blocks whose copy nobody waited for yet, now hidden (the caller points them at the host)."""
-        hidden = [i for i, handle in enumerate(self._pending) if handle is not None and i not in self._hidden]
-        self._hidden.update(hidden)
-        return hidden
+    def pointed(self, index: int) -> bool:
+        """Whether block ``index``'s parameters view its device copy."""
+        return self.materialized[index] and index not in self._unpointed
 
-    def unhide(self, index: int) -> Optional[list]:
-        """The device views to point a hidden block at again once its wait is queued (None: it was not hidden)."""
-        if index not in self._hidden:
+    def to_point(self, index: int) -> Optional[list]:
+        """The device views to point block ``index`` at now that the wait for its copy is queued (None: it points
+        there already)."""
+        if index not in self._unpointed:
             return None
-        self._hidden.discard(index)
+        self._unpointed.discard(index)
         return self._device_views[index]

@@ -370,3 +370,47 @@ def test_auto_times_the_device_it_plans_for_not_the_current_one():
     assert spec is not None and spec.h2d_bytes_per_s > 0 and spec.matmul_flops_per_s > 0
     assert cuda.recorded and set(cuda.recorded) == {"compute:1"}
     assert cuda.compute.tail == 0.0  # nothing ran on the current device's stream
+
+
+@pytest.mark.parametrize("released", ["host", "placeholder"])
+def test_a_block_copied_ahead_of_its_run_is_not_pointed_at_bytes_in_flight(x, tmp_path, released):
+    """Between forwards the next forward's first streamed blocks are being copied in. Code that reads their
+    parameters then (ComfyUI, a sibling clone run without the offload) reads their host copy (or the placeholders),
+    never device memory a copy may still be writing; at the block's run they point at the device copy."""
+    cuda = CudaStandIn(**REGIMES["compute_bound"])
+    model, manager = offloaded(cuda, tmp_path, resident_layers=2, prefetch_size=2, released_params=released)
+    blocks = model.blocks_in_call_order()
+    original = [p.detach().clone() for p in blocks[2].parameters()]
+    with cuda.running():
+        run(model, x, 1)
+        ahead = [i for i in manager.materialized_blocks() if not manager.schedule.resident[i]]
+        assert 2 in ahead
+        for index in ahead:
+            assert not manager.points_at_device(index)
+        params = list(blocks[2].parameters())
+        if released == "host":
+            assert all(torch.equal(p, o) for p, o in zip(params, original))  # a host read: no device access
+        else:
+            assert all(p.numel() == 0 for p in params)
+        run(model, x, 1)
+    assert not cuda.faults
+
+
+def test_inside_a_forward_a_prefetched_block_is_not_pointed_at_bytes_in_flight(x, tmp_path):
+    """Code that reads a later block's weights while an earlier one runs (a model that uses a block's weights
+    without calling it) finds placeholders that fail loudly, not device memory its copy may still be writing."""
+    cuda = CudaStandIn(**REGIMES["compute_bound"])
+    model, manager = offloaded(cuda, tmp_path, resident_layers=0, prefetch_size=2)
+    blocks = model.blocks_in_call_order()
+    seen = []
+
+    def read_the_next_blocks(module, args, output):
+        for later in blocks[3:5]:
+            weight = later.mix.weight
+            seen.append(weight.numel())
+            if weight.numel():
+                weight.sum()  # on the compute stream, with no wait for its copy
+    blocks[2].register_forward_hook(read_the_next_blocks)
+    with cuda.running():
+        run(model, x, 2)
+    assert seen == [0, 0, 0, 0] and not cuda.faults

@@ -36,8 +36,9 @@ def params_are_real(block):
 
 def check_invariant(model, manager):
     for index, block in enumerate(model.blocks_in_call_order()):
-        assert params_are_real(block) == manager.is_materialized(index), (
-            f"block {index}: real={params_are_real(block)} materialized={manager.is_materialized(index)}")
+        assert params_are_real(block) == manager.points_at_device(index), (
+            f"block {index}: real={params_are_real(block)} pointed={manager.points_at_device(index)}")
+        assert manager.is_materialized(index) or not manager.points_at_device(index)
 
 
 def watch_blocks(model, manager, record):
@@ -301,7 +302,7 @@ def test_released_blocks_can_point_at_the_host_store(sample_input, resident):
     host_pointers = {v.data_ptr() for i in range(NUM_BLOCKS) for v in manager.store.views(i)}
     for index, block in enumerate(model.blocks_in_call_order()):
         on_host = all(p.data_ptr() in host_pointers for p in block.parameters())
-        assert on_host == (not manager.is_materialized(index))
+        assert on_host == (not manager.points_at_device(index))
 
 
 def test_prepare_repacks_blocks_changed_behind_its_back(sample_input):

@@ -79,7 +79,7 @@ def test_random_plans_and_call_patterns(double, single, resident, prefetch, poli
     def check(module, args):
         for index, block in enumerate(blocks):
             real = all(p.numel() > 0 for p in block.parameters())
-            assert real == manager.is_materialized(index)
+            assert real == manager.points_at_device(index)
         peak.append(len(manager.materialized_blocks()))
     watchers = [block.register_forward_pre_hook(check) for block in blocks]
     with torch.no_grad():
