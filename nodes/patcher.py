@@ -22,14 +22,22 @@ log = logging.getLogger("layerwise_offload")
 _SUBCLASSES: Dict[type, type] = {}
 
 
-def offload_weights_uuid(patches_uuid, baked: bool = False) -> uuid.UUID:
+def offload_weights_uuid(patches_uuid, baked: bool = False, weight_units: bool = False) -> uuid.UUID:
     """What the model's ``current_weight_patches_uuid`` says after this pack placed it with these patches.
 
     Never equal to a patcher's own ``patches_uuid``, so ComfyUI treats the weights as foreign and unpatches
-    them before loading a clone the ordinary way; the same for every offloaded output of those patches.
-    ``baked``: every block patch baked into the host store (ComfyUI's force_patch_weights), another state.
+    them before loading a clone the ordinary way; the same for every offloaded output of those patches that
+    leaves the weights in the same state. Other states:
+
+    - ``baked``: every block patch baked into the host store (ComfyUI's force_patch_weights);
+    - ``weight_units``: streamed by weight units (residency_policy weights). The parameters no unit streams (a
+      block's norm scales) are then patched in the module by ComfyUI's ``patch_weight_to_device``, where whole
+      blocks patch them on each device copy and keep the module's unpatched. Each way reads the other's state
+      wrongly (a backup taken for "patched on the device" reads as "patched in the module", and a patched module
+      weight is packed as an original), so going from one to the other restores ComfyUI's backups first.
     """
-    return uuid.uuid5(uuid.NAMESPACE_URL, f"layerwise-offload:{patches_uuid}{':baked' if baked else ''}")
+    state = (":baked" if baked else "") + (":units" if weight_units else "")
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"layerwise-offload:{patches_uuid}{state}")
 
 
 def offload_patcher_class(base: type) -> Type:
@@ -67,7 +75,8 @@ class LayerwiseOffloadPatcherMixin:
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         controller = self.offload_controller
         with self.use_ejected(skip_and_inject_on_exit_only=True):
-            placed = offload_weights_uuid(self.patches_uuid, baked=force_patch_weights)
+            placed = offload_weights_uuid(self.patches_uuid, baked=force_patch_weights,
+                                          weight_units=controller.discovered.streams_weights)
             current_uuid = self.model.current_weight_patches_uuid
             before = self.model.model_loaded_weight_memory
             if current_uuid != placed:
@@ -105,6 +114,11 @@ class LayerwiseOffloadPatcherMixin:
             # without unpatch_all is ComfyUI re-listing a model it keeps loaded; residents stay.
             controller.release_device_memory()
             controller.put_non_block_weights(self, self.offload_device)
+            if controller.loaded_by == id(self):
+                # Unloaded: this patcher's collection later must not set the model's loaded figure again. On the
+                # CPU loopback the non-block weights stay on the "device", and a figure above 0 makes ComfyUI's
+                # next load of a plain clone return early, without patching anything.
+                controller.loaded_by = None
         return super().detach(unpatch_all)
 
     def __del__(self):
