@@ -25,7 +25,7 @@ from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, choose_
                        largest_fitting, normalize_device, point_param_at, return_freed_host_memory, weight_nbytes)
 from .advice import recommend
 from .device_support import device_support
-from .discovery import DiscoveredBlocks, as_weight_units, discover_blocks
+from .discovery import DiscoveredBlocks, as_weight_units, discover_blocks, streaming_refusal
 from .dynamic_vram import non_dynamic_patcher, watch_clones
 from .host_ram import compact_backups, comfyui_host_environment, packing_progress_bar
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
@@ -69,6 +69,10 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
     support = device_support(model.load_device)
     if not support.offloads:
         return passed_through(model, support)
+    refusal = streaming_refusal(model.get_model_object("diffusion_model"))
+    if refusal is not None:
+        return passed_through(model, dataclasses.replace(
+            support, offloads=False, reason=refusal, hint="ComfyUI loads and runs it as it would without the node"))
     model = non_dynamic_patcher(model)
     base_model = model.model
     diffusion_model = model.get_model_object("diffusion_model")
