@@ -85,6 +85,7 @@ class RunReport:
     head_bytes: int = 0  # the streamed blocks' heads in VRAM (streamed tails)
     disk_checkpoint_blocks: int = 0  # of the disk blocks, those read straight from the safetensors checkpoint
     pieces: str = "blocks"  # what streams: "blocks", or "layers" with residency_policy weights (weight units)
+    forwards_without_blocks: int = 0  # complete forwards in which no block ran through the offload's hooks
 
     @property
     def disk_gbps(self) -> float:
@@ -227,6 +228,10 @@ def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
     streamed = report.num_blocks - report.resident_blocks
     if report.forwards == 0:
         return "no step ran yet: queue a prompt first"
+    if report.forwards_without_blocks:
+        return (f"{report.forwards_without_blocks} of {report.forwards} model calls ran none of the transformer "
+                f"blocks through the offload: this model uses its blocks' weights without calling the blocks, "
+                f"so the plan did not run; remove the node for this model")
     if report.bytes_per_forward == 0:
         if streamed == 0:
             return "nothing streamed: the model runs as if fully loaded"

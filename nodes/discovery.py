@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Tuple
+from typing import List, Optional, Tuple
 
 from torch import nn
 
@@ -25,8 +25,23 @@ BLOCK_LAYOUTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
 SUPPORTED_FAMILIES = ", ".join(family for family, _ in BLOCK_LAYOUTS)
 
 
+# Models that use their blocks' weights without calling the blocks, so the blocks' hooks never fire: their weights
+# would be read where they were released (on a GPU: the host copy, a device mismatch or a copy per call).
+BLOCKS_USED_WITHOUT_CALLS = {
+    "WanAnimate2Model": "calls block.forward_pose, block.kv_from_input and block.forward_gen, never the blocks",
+}
+
+
 class UnsupportedModelError(ValueError):
     pass
+
+
+def streaming_refusal(diffusion_model: nn.Module) -> Optional[str]:
+    """Why this model's blocks cannot be streamed by their hooks, or None."""
+    how = BLOCKS_USED_WITHOUT_CALLS.get(type(diffusion_model).__name__)
+    if how is None:
+        return None
+    return f"passed through: {type(diffusion_model).__name__} {how}, so its blocks cannot be streamed"
 
 
 @dataclass(frozen=True)

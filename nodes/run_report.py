@@ -25,4 +25,5 @@ def run_report(controller, before, after, forwards: int, run_seconds: float) -> 
         disk_bytes_read=after.disk_bytes_read - before.disk_bytes_read,
         disk_seconds=after.disk_read_seconds - before.disk_read_seconds,
         disk_stall_seconds=after.disk_stall_seconds - before.disk_stall_seconds, head_bytes=after.head_bytes,
-        pieces="layers" if controller.discovered.streams_weights else "blocks")
+        pieces="layers" if controller.discovered.streams_weights else "blocks",
+        forwards_without_blocks=after.forwards_without_blocks - before.forwards_without_blocks)

@@ -81,7 +81,8 @@ class CallTracker:
         self._expected = 0
         self._position = None
 
-    def end(self, completed: bool) -> None:
+    def end(self, completed: bool) -> int:
+        """Close the forward; returns how many block calls it made."""
         self.in_forward = False
         self._position = None
         calls, self._calls = tuple(self._calls), []
@@ -89,6 +90,7 @@ class CallTracker:
         if completed and calls and calls != self.learned_calls:
             self.learned_calls = calls
             self._rebuild()
+        return len(calls)
 
     def track(self, index: int) -> None:
         if not self.in_forward:  # no forward scope: nothing to learn from, predict in list order

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
@@ -33,6 +33,7 @@ from .host.side import HostSide
 from .host.packing import HostStore
 from .schedule import Schedule
 from .stats import Counters, OffloadStats, host_figures
+from .strict import HostCopyGuard, strict_loopback
 
 
 
@@ -166,8 +167,8 @@ class LayerwiseOffloadManager:
     def end_forward(self, completed: bool = True) -> None:
         """Close a forward: learn its call order (what it prefetched for the next one stays unpointed, see
         blocks/states.py)."""
-        self.counters.end_forward()
-        self.calls.end(completed)
+        calls = self.calls.end(completed)
+        self.counters.end_forward(calls, completed)
         if self._release_after_forward:
             self.release_all()
 
@@ -538,8 +539,9 @@ class LayerwiseOffloadManager:
         self.arm()
         self.attach()
         self.hooks.active = True
+        guard = HostCopyGuard() if self.device.type == "cpu" and strict_loopback() else nullcontext()
         try:
-            with self.hooks.forward_scope():
+            with guard, self.hooks.forward_scope():
                 yield self
         finally:
             self.hooks.active = False

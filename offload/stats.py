@@ -12,6 +12,7 @@ class OffloadStats:
     resident_blocks: int
     streamed_blocks: int
     forwards: int
+    forwards_without_blocks: int
     bytes_copied: int  # host-to-device, since the manager was made
     copies_issued: int
     resident_copies: int  # of those, copies into a resident's own buffer (arming; a replan copies only new residents)
@@ -60,6 +61,9 @@ class Counters:
         self.demand_copies = 0  # copies issued when a block was about to run (not prefetched in time)
         self.copies_per_block = [0] * num_blocks
         self.forwards = 0
+        # Complete forwards that called none of the blocks: a model that uses its blocks' weights without calling
+        # them (their hooks never fire), so nothing of the plan ran.
+        self.forwards_without_blocks = 0
         self._forward_bytes = self._forward_copies = 0
         self.last_forward_bytes = self.last_forward_copies = 0
         self.peak_materialized = self.peak_device_bytes = 0
@@ -76,13 +80,15 @@ class Counters:
         self.forwards += 1
         self._forward_bytes = self._forward_copies = 0
 
-    def end_forward(self) -> None:
+    def end_forward(self, calls: int = 1, completed: bool = True) -> None:
+        self.forwards_without_blocks += completed and calls == 0
         self.last_forward_bytes = self._forward_bytes
         self.last_forward_copies = self._forward_copies
 
     def figures(self) -> dict:
         """The counted fields of :class:`OffloadStats`."""
-        return dict(forwards=self.forwards, bytes_copied=self.bytes_copied, copies_issued=self.copies_issued,
+        return dict(forwards=self.forwards, forwards_without_blocks=self.forwards_without_blocks,
+                    bytes_copied=self.bytes_copied, copies_issued=self.copies_issued,
                     resident_copies=self.resident_copies, demand_copies=self.demand_copies,
                     bytes_copied_last_forward=self.last_forward_bytes, copies_last_forward=self.last_forward_copies,
                     peak_materialized_blocks=self.peak_materialized, peak_device_bytes=self.peak_device_bytes)

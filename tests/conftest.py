@@ -26,6 +26,10 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# The strict loopback (offload/strict.py) for every test and every ComfyUI server the tests start: a block's weights
+# read from its host copy during a model call fail here as they would on a GPU, instead of computing on the CPU.
+os.environ.setdefault("LAYERWISE_OFFLOAD_STRICT_LOOPBACK", "1")
+
 # Tests whose modules may touch ComfyUI at import time.
 _COMFY_TEST_DIRS = (REPO_ROOT / "tests" / "comfy", REPO_ROOT / "tests" / "e2e")
 
