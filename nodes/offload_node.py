@@ -18,38 +18,26 @@ DESCRIPTION = (
     "the rest from (pinned) host memory, copying prefetch_size blocks ahead on a side stream. Output "
     "is bitwise identical to running without it. Supported: " + SUPPORTED_FAMILIES + ".")
 
+#: One to three short sentences each: what the input does, its default, where to read more (docs/nodes.md in the
+#: pack's folder); no measured figures and no environment variables (they change; the docs carry them).
 TOOLTIPS = {
-    "model": "A diffusion transformer from a model loader (Load Diffusion Model / Load Checkpoint).",
+    "model": "A diffusion transformer from a loader (Load Diffusion Model, Load Checkpoint, Unet Loader (GGUF)), "
+             "before or after LoRA loaders.",
     "resident_layers": (
-        "How many of the first blocks the model runs stay in VRAM for the whole run. Each resident block "
-        "is never copied again; the rest are copied in every step. -1 (auto, the default) keeps as many as "
-        "fit in the free VRAM at the first step of each run, after room for this latent's activations and "
-        "ComfyUI's reserve. A number of your own wins: 0 streams every block; values above the block count "
-        "keep everything resident."),
+        "How many of the first transformer blocks stay in VRAM; the rest stream from RAM every step. "
+        "Default -1 = auto: as many as fit. 0 streams every block. More: docs/nodes.md"),
     "prefetch_size": (
-        "How many streamed blocks are copied ahead of the one computing. 1 is enough when copies are "
-        "hidden behind compute; each extra block costs one block of VRAM. With residency_policy auto, the "
-        "least it copies ahead."),
+        "How many streamed blocks are copied ahead of the one computing; each costs one block of VRAM. "
+        "Default 1 (auto may copy further ahead)."),
     "residency_policy": (
-        "auto (the default): at the first step of each run, the policy and prefetch depth this card is predicted "
-        "to run fastest with (a timing model of its copies and compute; on an unknown device, leading). leading: "
-        "the first blocks stay resident. strided: the streamed blocks are spread evenly over the step, so each "
-        "copy overlaps resident compute. weights: each layer's weights stream on their own instead of whole "
-        "blocks, planned at each run's first step from the free VRAM (resident_layers must be -1): the fewest "
-        "bytes a step of all, in less VRAM than whole blocks need. Predicted as fast for Wan, HunyuanVideo and on "
-        "smaller cards; up to 1.4x slower for Flux and Qwen-Image on fast cards, where copies take about as long "
-        "as the compute."),
+        "auto (default) picks the plan predicted fastest on this GPU. leading: first blocks stay. strided: streamed "
+        "blocks spread out. weights: stream layer by layer, least VRAM. More: docs/nodes.md"),
     "pin_memory": (
-        "Page-lock the host copy of the blocks for fast asynchronous copies. Turn off when system RAM "
-        "is short; copies get slower."),
+        "Page-lock the RAM copy of streamed blocks for fast asynchronous copies. Default on; turn off when system RAM "
+        "is short (copies get slower)."),
     "host_store": (
-        "Where the blocks' host copies live. auto (the default): in RAM while it keeps a safety margin free, "
-        "the rest (the blocks latest in the step) in a cache file on disk, read back ahead of use every step; on a "
-        "disk too slow for that (its read rate is measured at first use, or set by $LAYERWISE_OFFLOAD_DISK_READ_RATE) "
-        "only the blocks RAM cannot hold go there. "
-        "ram: all in RAM (fastest; refused when RAM is short). disk: all on disk, RAM holds only a small "
-        "staging ring (for models bigger than free RAM; needs a fast SSD). The file goes in ComfyUI's temp "
-        "folder (or $" + DISK_DIR_ENV + ") and is deleted when the model is unloaded or ComfyUI exits."),
+        "Where streamed blocks wait. auto (default): RAM, and disk for what RAM cannot hold. ram: all in RAM. "
+        "disk: all read from disk, for models bigger than RAM. More: docs/nodes.md"),
 }
 
 AUTO_RESIDENT = -1  # resident_layers value that asks for the automatic plan
