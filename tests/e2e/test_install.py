@@ -131,11 +131,71 @@ def test_shipped_code_needs_nothing_left_out(shipped):
             assert hit is None, f"{rel} imports {hit.group(1)}/, which the pack leaves out"
 
 
+def _anchor(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation but - and _ dropped, spaces as -."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _local_links(page: Path, root: Path):
+    """``(target file relative to ``root``, anchor or "")`` of every relative link on ``page``."""
+    text = page.read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page.resolve()
+        yield file.relative_to(root.resolve()).as_posix(), anchor
+
+
+def _assert_links_resolve(page: Path, files, root: Path = REPO) -> int:
+    links = list(_local_links(page, root))
+    missing = sorted({f for f, _ in links if f not in files})
+    assert not missing, f"{page.name} links to files the pack does not have: {missing}"
+    broken = []
+    for file, anchor in links:
+        if anchor and file.endswith(".md"):
+            headings = re.findall(r"^#+ (.+)$", (root / file).read_text(encoding="utf-8"), re.M)
+            if anchor not in {_anchor(h) for h in headings}:
+                broken.append(f"{file}#{anchor}")
+    assert not broken, f"{page.name} links to headings that do not exist: {broken}"
+    return len(links)
+
+
 def test_readme_links_point_at_shipped_files(shipped):
+    """Every link in the README (and in the docs pages it leads to) opens a file the pack ships, at a heading that
+    is there: a user who installed from the Registry has only those."""
+    assert _assert_links_resolve(REPO / "README.md", set(shipped)) >= 5, "no local links found"
+    for page in sorted((REPO / "docs").glob("*.md")):
+        _assert_links_resolve(page, set(shipped))
+
+
+def test_link_check_catches_a_missing_file_and_a_missing_heading(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "install.md").write_text("# Install\n\n## The tiny demo's files\n", encoding="utf-8")
+    page = tmp_path / "README.md"
+    page.write_text("[a](docs/install.md#the-tiny-demos-files) [b](docs/nowhere.md)\n", encoding="utf-8")
+    files = {"docs/install.md", "README.md"}
+    with pytest.raises(AssertionError, match="nowhere.md"):
+        _assert_links_resolve(page, files, tmp_path)
+    page.write_text("[a](docs/install.md#the-tiny-demos-files) [c](docs/install.md#no-such-heading)\n")
+    with pytest.raises(AssertionError, match="no-such-heading"):
+        _assert_links_resolve(page, files, tmp_path)
+    page.write_text("[a](docs/install.md#the-tiny-demos-files)\n")
+    assert _assert_links_resolve(page, files, tmp_path) == 1
+
+
+def test_readme_is_short_and_its_tables_have_one_line_cells():
     text = (REPO / "README.md").read_text(encoding="utf-8")
-    links = {m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in m and m[0] != "#"}
-    assert links, "no local links found"
-    assert links <= set(shipped), sorted(links - set(shipped))
+    lines = text.splitlines()
+    assert len(lines) <= 125, f"README.md has {len(lines)} lines: move details into docs/"
+    cells = [c.strip() for line in lines if line.startswith("|") for c in line.strip().strip("|").split("|")]
+    long_cells = [c for c in cells if len(c) > 200]
+    assert cells and not long_cells, long_cells
+    for word in ("session", "the issue", "lent", "no GPU was"):
+        assert word not in text.lower(), f"README.md says {word!r}: words of how it was written, not of the pack"
+    # The two commands of this repository: CI's entry point runs the second.
+    assert "bash scripts/run.sh" in text and "bash scripts/test.sh" in text
+    assert "bash scripts/test.sh" in (REPO / ".ci" / "run").read_text()
 
 
 # ------------------------------------------------------------------------------------------------ Manager install
