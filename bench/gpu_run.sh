@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The whole GPU measurement in ONE device call of at most LIMIT_S (570) seconds, set-up included; no network
+# The whole GPU measurement in ONE device call of at most LIMIT_S (420) seconds, set-up included; no network
 # (docs/gpu_run.md: the plan, the caps, how to read the tables).
 #
 #   bash bench/gpu_prep.sh             # here, once: fills .gpu/ (two ComfyUI trees, five wheels; < 60 MiB)
-#   bash bench/gpu_run.sh              # on the device: carry [".gpu"], timeout_s 600
+#   bash bench/gpu_run.sh              # on the device: carry [".gpu"], timeout_s 480
 #   bash bench/gpu_run.sh --dry-run    # on the CPU: the time plan, then every step at the tiny presets
 #
 # Every step (bench/gpu_steps.py) is its own process under its own cap (min(cap, time left)); a step that fails or
@@ -18,24 +18,25 @@ cd "$ROOT"
 DRY=0
 [[ "${1:-}" == "--dry-run" ]] && DRY=1
 START=$(date +%s)
-LIMIT_S="${LIMIT_S:-570}"    # the device call's whole run
+LIMIT_S="${LIMIT_S:-420}"    # the device call's whole run (of 15 device minutes: room to run it twice)
 SETUP_S="${SETUP_S:-40}"     # the plan's allowance for unpacking the trees and installing the wheels
 RESERVE_S="${RESERVE_S:-10}" # kept back at the end (the last step's kill-after and the copy out)
 WORK="${WORK:-/tmp/lwo_gpu}"
 
 # name cap_s comfyui step-arguments...  (the order is the priority: a run that runs short loses the last ones)
+# smoke runs under TORCH_CUDA_SANITIZER=1 (torch's stream-race checker): the tiny preset, a few settings.
 # --sweep: every resident count 0..N in steps (gpu_steps.sweep_counts), at the node's defaults, each beside the
 # timing model's prediction for the same setting, per-block CUDA-event timelines in timeline.csv.
+# The side-by-side rows (this pack against ComfyUI at equal VRAM) come first in each step, the sweep after them.
+# --takeover: the node on 0.33.0's dynamic patcher with comfy-aimdo started.
 PLAN=(
-    "preflight   35 075 preflight"
-    "s075_flux   90 075 sidebyside --preset flux --lowvram --weights --sweep"
-    "s075_wan   100 075 sidebyside --preset wan21_14b --lowvram --sweep"
-    "s033_flux   45 033 sidebyside --preset flux --weights"
-    "dyn033_flux 45 033 dynamic --preset flux"
-    "lora_075    45 075 lora --preset wan21_14b"
-    "fp8_033     50 033 fp8 --preset wan21_14b"
-    "s033_wan    45 033 sidebyside --preset wan21_14b"
-    "dyn033_wan  45 033 dynamic --preset wan21_14b"
+    "smoke       25 075 smoke --preset tiny"
+    "preflight   25 075 preflight"
+    "s075_flux   85 075 sidebyside --preset flux --lowvram --weights --sweep"
+    "s075_wan    85 075 sidebyside --preset wan21_14b --lowvram --sweep"
+    "s033_flux   40 033 sidebyside --preset flux"
+    "dyn033_flux 60 033 dynamic --preset flux --takeover"
+    "lora_075    40 075 lora --preset wan21_14b"
 )
 planned=$(( SETUP_S + RESERVE_S ))
 for entry in "${PLAN[@]}"; do read -r _ cap _ <<<"$entry"; planned=$(( planned + cap )); done
@@ -134,8 +135,9 @@ for entry in "${PLAN[@]}"; do
     if [[ -z "$tree" ]]; then say "$name: skipped, no ComfyUI tree for $version"; STATUS=1; continue; fi
     if (( cap < 15 )); then say "$name: skipped, $(left) s left of LIMIT_S"; STATUS=1; continue; fi
     say "$name (cap ${cap} s, $(( $(date +%s) - START )) s in)"
+    sanitize=(); [[ "$name" == smoke ]] && (( ! DRY )) && sanitize=(TORCH_CUDA_SANITIZER=1)  # it needs a GPU
     # shellcheck disable=SC2086  # the step's arguments are words
-    timeout --signal=INT --kill-after=8 "$cap" env COMFYUI_PATH="$tree" PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" \
+    timeout --signal=INT --kill-after=8 "$cap" env "${sanitize[@]}" COMFYUI_PATH="$tree" PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}" \
         "$py" -P bench/gpu_steps.py $args --name "$name" --out "$OUTDIR" --work "$WORK" "${DRY_ARG[@]}" 2>&1 \
         | grep --line-buffered -v "^WARNING:root:torchaudio missing" | tee -a "$LOG"
     rc=${PIPESTATUS[0]}

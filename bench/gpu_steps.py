@@ -175,7 +175,8 @@ def predict_setting(block_nbytes: Sequence[int], block_ms: Sequence[float], comp
                     resident: int, policy: str, prefetch: int, tails: Optional[Sequence[int]] = None):
     """The timing model's replay of the manager's schedule (offload/timing_model.py) for this setting, timed with
     what this GPU measured: each block's compute from the full load's CUDA events, the rest of the full step as the
-    work outside the blocks, the copy rate of registered memory. None without those figures."""
+    work outside the blocks, the copy rate of registered memory. None without those figures. The host regime is the
+    bench's: it synchronises once, at the end of step 1 (StepClock), and runs ahead of the GPU after that."""
     from ..offload import timing_model as tm
     if not block_ms or "" in block_ms or not gbps or compute_ms in ("", None):
         return None
@@ -185,7 +186,7 @@ def predict_setting(block_nbytes: Sequence[int], block_ms: Sequence[float], comp
                      source="the full load's per-block CUDA events and the preflight's registered copy rate")
     costs = tm.ModelCosts(tuple(int(n) for n in block_nbytes), tuple(block_s),  # 1 "FLOP" a second here
                           outside_flops=max(0.0, float(compute_ms) / 1e3 - sum(block_s)))
-    return tm.predict(costs, gpu, int(resident), policy, int(prefetch), tails=tails)
+    return tm.predict(costs, gpu, int(resident), policy, int(prefetch), sync_each_step=False, tails=tails)
 
 
 class BlockClock:
@@ -263,14 +264,19 @@ class GpuHarness(Harness):
         with Ballast(self.device, budget) as ballast, DevicePeak(self.device) as peak:
             hrow = self.guarded(run, mode, **fields)
         step_ms = hrow["step_ms"]
-        if mode.startswith("layerwise") or mode == "sweep":
-            hrow.update(self._setting_that_ran())
         prediction = None
-        if mode in ("layerwise_auto", "layerwise", "sweep") and not hrow["error"] and hrow["resident"] != "":
-            prediction = predict_setting(self.block_nbytes, self.block_ms, self.compute_ms, self.gbps,
-                                         hrow["resident"], hrow["policy"], hrow["prefetch"], hrow.get("tails"))
-        if clock is not None and prediction is not None:
-            self._timeline_rows(clock, prediction, hrow)
+        try:  # what is read beside the run never takes the row (or the step's other rows) with it
+            if mode.startswith("layerwise") or mode == "sweep":
+                hrow.update(self._setting_that_ran())
+            if mode in ("layerwise_auto", "layerwise", "sweep") and not hrow["error"] and hrow["resident"] != "":
+                prediction = predict_setting(self.block_nbytes, self.block_ms, self.compute_ms, self.gbps,
+                                             hrow["resident"], hrow["policy"], hrow["prefetch"], hrow.get("tails"))
+            if clock is not None and prediction is not None:
+                self._timeline_rows(clock, prediction, hrow)
+        except Exception as error:  # noqa: BLE001 - logged in the row
+            import traceback
+            traceback.print_exc()
+            hrow["error"] = (hrow["error"] + "; " if hrow["error"] else "") + f"beside the run: {error}"[:200]
         return add_step(
             self.tables["steps"], comfyui=self.comfyui, step=self.step, preset=self.config.preset, mode=mode,
             weights=weights or str(self.dtype).replace("torch.", ""), budget=label,
@@ -608,50 +614,112 @@ def dynamic(args, tables, state) -> int:
     budgets = [("all", None)] + [(f"{float(f):g}", int(saved["non_block"] + float(f) * saved["block_total"] + extra))
                                  for f in args.budgets.split(",") if f.strip()]
     forwards = [0]
-    hook = patcher.get_model_object("diffusion_model").register_forward_pre_hook(
-        lambda m, a: forwards.__setitem__(0, forwards[0] + 1))
+
+    def count_forwards(model):
+        return model.get_model_object("diffusion_model").register_forward_pre_hook(
+            lambda m, a: forwards.__setitem__(0, forwards[0] + 1))
+
+    def row(mode: str, label: str, budget, run_patcher, moved: Callable[[], Tuple[int, int]], scope) -> None:
+        """One sampling run at ``budget``: ``moved()`` reads (bytes streamed, bytes left resident) so far."""
+        mm.unload_all_models()
+        gc.collect()
+        mm.soft_empty_cache()
+        begun, error, seconds, snap = time.perf_counter(), "", [], {}
+        clock = StepClock(cuda, on_first=lambda: snap.update(zip("fbr", (forwards[0], *moved()))))
+        out = None
+        with Ballast(device, budget) as ballast, DevicePeak(device) as peak:
+            try:
+                with _node_scope(), scope(), torch.inference_mode():
+                    out = dit_presets.sample(run_patcher, args.preset, steps=args.steps, callback=clock)
+                seconds = clock.step_seconds()
+            except Exception as exc:  # noqa: BLE001 - a failing budget is a result
+                import traceback
+                traceback.print_exc()
+                error = f"{type(exc).__name__}: {exc}"[:300]
+        step_ms = 1e3 * sorted(seconds)[len(seconds) // 2] if seconds else ""
+        intervals = max(1, args.steps - 1)
+        streamed, resident = moved()
+        add_step(
+            tables["steps"], comfyui=version, step=args.step_name, preset=args.preset, mode=mode,
+            weights=str(dtype or dit_presets.PRESETS[args.preset].dtype).replace("torch.", ""), budget=label,
+            budget_bytes="" if budget is None else budget, ballast_bytes=ballast.nbytes,
+            num_blocks=saved["num_blocks"], steps=args.steps,
+            forwards_per_step=(forwards[0] - snap["f"]) / intervals if seconds else "",
+            step_ms=step_ms, step_ms_spread=(max(seconds) - min(seconds)) * 1e3 if seconds else "",
+            streamed_bytes_per_step=(streamed - snap["b"]) / intervals if seconds else "",
+            resident_bytes_per_step=(resident - snap["r"]) / intervals if seconds else "",
+            compute_ms=saved["compute_ms"], gbps=saved["gbps"],
+            speedup_vs_comfy=ratio(step_ms, auto_ms.get(label)) if mode == "comfy_dynamic" else "",
+            device_peak_bytes=peak.peak_bytes, weights_device_bytes=run_patcher.loaded_size(),
+            bitwise_equal_full=bitwise_equal(out, reference) if out is not None else False,
+            seconds=time.perf_counter() - begun, error=error or ("" if cuda else f"dry run: {kind} on the CPU"))
+        log(f"{args.preset} {mode} budget {label}: {step_ms} ms/step {error}")
+
+    hook = count_forwards(patcher)
     try:
         for label, budget in budgets:
-            mm.unload_all_models()
-            gc.collect()
-            mm.soft_empty_cache()
-            begun, error, seconds = time.perf_counter(), "", []
-            counter, snap = VbarCastCounter(), {}
-            clock = StepClock(cuda, on_first=lambda: snap.update(f=forwards[0], b=counter.bytes,
-                                                                 r=counter.resident_bytes))
-            out = None
-            with Ballast(device, budget) as ballast, DevicePeak(device) as peak:
-                try:
-                    with _node_scope(), counter.installed(), torch.inference_mode():
-                        out = dit_presets.sample(patcher, args.preset, steps=args.steps, callback=clock)
-                    seconds = clock.step_seconds()
-                except Exception as exc:  # noqa: BLE001 - a failing budget is a result
-                    import traceback
-                    traceback.print_exc()
-                    error = f"{type(exc).__name__}: {exc}"[:300]
-            step_ms = 1e3 * sorted(seconds)[len(seconds) // 2] if seconds else ""
-            intervals = max(1, args.steps - 1)
-            add_step(
-                tables["steps"], comfyui=version, step=args.step_name, preset=args.preset, mode="comfy_dynamic",
-                weights=str(dtype or dit_presets.PRESETS[args.preset].dtype).replace("torch.", ""), budget=label,
-                budget_bytes="" if budget is None else budget, ballast_bytes=ballast.nbytes,
-                num_blocks=saved["num_blocks"], steps=args.steps,
-                forwards_per_step=(forwards[0] - snap["f"]) / intervals if seconds else "",
-                step_ms=step_ms, step_ms_spread=(max(seconds) - min(seconds)) * 1e3 if seconds else "",
-                streamed_bytes_per_step=(counter.bytes - snap["b"]) / intervals if seconds else "",
-                resident_bytes_per_step=(counter.resident_bytes - snap["r"]) / intervals if seconds else "",
-                compute_ms=saved["compute_ms"], gbps=saved["gbps"], speedup_vs_comfy=ratio(step_ms, auto_ms.get(label)),
-                device_peak_bytes=peak.peak_bytes, weights_device_bytes=patcher.loaded_size(),
-                bitwise_equal_full=bitwise_equal(out, reference) if out is not None else False,
-                seconds=time.perf_counter() - begun, error=error or ("" if cuda else f"dry run: {kind} on the CPU"))
-            log(f"{args.preset} comfy_dynamic budget {label}: {step_ms} ms/step {error}")
+            counter = VbarCastCounter()
+            row("comfy_dynamic", label, budget, patcher, lambda: (counter.bytes, counter.resident_bytes),
+                counter.installed)
+        if args.takeover:
+            takeover(args, patcher, budgets[-1], env, dtype, row, count_forwards)
     finally:
         hook.remove()
         mm.unload_all_models()
     return 0
 
 
-STEPS = {"preflight": preflight, "sidebyside": sidebyside, "lora": lora, "fp8": fp8, "dynamic": dynamic}
+def takeover(args, patcher, budget, env, dtype, row, count_forwards) -> None:
+    """The node on the dynamic patcher, with comfy-aimdo started: it takes the model over as an ordinary model
+    (``get_non_dynamic_delegate``, which reloads it through ``cached_patcher_init`` as a core loader's model is), and
+    every device byte it allocates goes through aimdo's allocator hooks. The row's speed-up is over dynamic VRAM at
+    the same budget."""
+    from ..devtools import dit_presets
+    from ..nodes.controller import offload_model
+    if args.dry_run:
+        os.environ[CPU_LOOPBACK_ENV] = "1"
+
+    def reload(disable_dynamic=False):  # the preset is seeded: the same weights as the model it replaces
+        kind = env.model_patcher.ModelPatcher if disable_dynamic else env.model_patcher.CoreModelPatcher
+        return dit_presets.build(args.preset, dtype=dtype, patcher_class=kind)
+    patcher.cached_patcher_init = (reload, ())
+    label, nbytes = budget
+    offloaded = offload_model(patcher, -1, 1, AUTO_POLICY, True)
+    controller = offloaded.attachments.get("layerwise_offload")
+    if controller is None:
+        raise RuntimeError(f"[layerwise-offload] the node passed the dynamic model through: "
+                           f"{offloaded.attachments}")
+
+    def moved():
+        stats = controller.manager.stats(synchronize=False)
+        return stats.bytes_copied, 0
+    hook = count_forwards(offloaded)
+    try:
+        row("layerwise_aimdo", label, nbytes, offloaded, moved, contextlib.nullcontext)
+    finally:
+        hook.remove()
+
+
+def smoke(args, tables, state) -> int:
+    """The engine's CUDA path on the tiny preset, a few settings, each bitwise against the full load. gpu_run.sh runs
+    it under ``TORCH_CUDA_SANITIZER=1``: torch's stream sanitizer then checks every kernel's reads and writes against
+    the streams' events and synchronisations, and a race fails the row."""
+    sanitizer = getattr(getattr(torch.cuda, "_sanitizer", None), "cuda_sanitizer", None)
+    enabled = bool(getattr(sanitizer, "enabled", False))
+    tables["preflight"].add(comfyui="none", name="smoke_cuda_sanitizer", value=enabled, unit="",
+                            note=f"TORCH_CUDA_SANITIZER={os.environ.get('TORCH_CUDA_SANITIZER', '')!r}")
+    h = make_harness(args, state, tables)
+    try:
+        h.full()
+        for resident, prefetch, policy in ((0, 1, "leading"), (1, 2, "strided"), (-1, 1, AUTO_POLICY)):
+            h.layerwise(resident, prefetch, policy, "device", None, mode="smoke", ballast=False)
+    finally:
+        h.teardown()
+    return 0
+
+
+STEPS = {"preflight": preflight, "smoke": smoke, "sidebyside": sidebyside, "lora": lora, "fp8": fp8,
+         "dynamic": dynamic}
 
 
 def main(argv=None) -> int:
@@ -665,6 +733,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lowvram", action="store_true", help="also ComfyUI's own partial loading per budget")
     parser.add_argument("--sweep", action="store_true", help="also fixed resident counts at the smallest budget")
     parser.add_argument("--weights", action="store_true", help="also residency_policy weights per budget")
+    parser.add_argument("--takeover", action="store_true",
+                        help="dynamic: also the node taking the dynamic model over, at the smallest budget")
     parser.add_argument("--name", default="", help="the step's name in the CSVs (default: the step)")
     parser.add_argument("--dry-run", action="store_true")
     args = parser.parse_args(argv)
