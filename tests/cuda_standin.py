@@ -20,7 +20,11 @@ but *when* each one runs on the "GPU" is simulated:
 - **Devices**: a kernel that reads the manager's host copy of a block (its packed store) is a host tensor in a
   device computation (on CUDA: a device mismatch or a silent copy per call); the host writing host memory that a
   queued copy may still read is a fault; a ``non_blocking`` copy from pageable memory is synchronous (as CUDA makes
-  it) and listed in :attr:`CudaStandIn.pageable_async`.
+  it) and listed in :attr:`CudaStandIn.pageable_async`. With ``pageable_done_at_return=False`` the host learns from
+  such a copy only that its source was consumed, not that the copy finished (CUDA's documented guarantee: the
+  driver stages the bytes and returns, the DMA to the device may still run).
+- **What happened**, for tests to assert on: every ``wait_event`` as (waiting stream, event's stream) in
+  :attr:`CudaStandIn.waits`, every copy to the device in :attr:`CudaStandIn.uploads` (:class:`Upload`).
 
 Faults raise :class:`CudaRuleBroken` where they happen (``strict``) and are kept in :attr:`CudaStandIn.faults`.
 What is device memory and what is host memory is told by :meth:`CudaStandIn.drive` from the manager's own parts.
@@ -35,9 +39,8 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["CudaRuleBroken", "CudaStandIn", "standin_backend"]
+__all__ = ["CudaRuleBroken", "CudaStandIn", "Upload", "byte_span", "happens_before", "overlaps", "standin_backend"]
 
 aten = torch.ops.aten
 Clock = Dict[str, int]
@@ -56,7 +59,24 @@ def merged(a: Clock, b: Clock) -> Clock:
 
 
 def happens_before(a: Clock, b: Clock) -> bool:
-    return all(count <= b.get(actor, 0) for actor, count in a.items())
+    get = b.get
+    for actor, count in a.items():
+        if count > get(actor, 0):
+            return False
+    return True
+
+
+def _tensors_in(values, out: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The tensors among an operator's arguments (tensors, lists and tuples of them, a dict of keyword arguments):
+    what ``tree_flatten`` would find there, without its cost at every operator."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            out.append(value)
+        elif isinstance(value, (list, tuple)):
+            _tensors_in(value, out)
+        elif isinstance(value, dict):
+            _tensors_in(value.values(), out)
+    return out
 
 
 def byte_span(tensor: torch.Tensor) -> Tuple[int, int]:
@@ -108,6 +128,7 @@ class Stream:
 
     def wait_event(self, event: "Event") -> None:
         self.cuda.host_call()
+        self.cuda.waits.append((self.name, event.stream))
         if event.clock is not None:  # CUDA: waiting on an event never recorded returns at once
             self.tail = max(self.tail, event.time)
             self.clock = merged(self.clock, event.clock)
@@ -209,6 +230,19 @@ class HostRead:
 
 
 @dataclass
+class Upload:
+    """One copy to the device: its source's and destination's bytes, its clock, its stream, whether its source was
+    page-locked and whether it was asked for ``non_blocking``."""
+
+    src: Tuple[int, int]
+    dst: Tuple[int, int]
+    clock: Clock
+    stream: str
+    pinned: bool
+    non_blocking: bool
+
+
+@dataclass
 class AsyncWrite:
     """Host memory being written by another actor (a disk read): a copy from it must come after the write ends."""
 
@@ -256,13 +290,14 @@ class CudaStandIn:
 
     def __init__(self, h2d_bytes_per_ms: float = 25e6, flops_per_ms: float = 4e11, bytes_per_ms: float = 4e9,
                  d2d_bytes_per_ms: float = 2e9, host_call_ms: float = 0.001, strict: bool = True,
-                 stream_names: Iterable[str] = ("copy", "transform")):
+                 stream_names: Iterable[str] = ("copy", "transform"), pageable_done_at_return: bool = True):
         self.host = Host(host_call_ms)
         self.h2d_bytes_per_ms = h2d_bytes_per_ms
         self.flops_per_ms = flops_per_ms
         self.bytes_per_ms = bytes_per_ms
         self.d2d_bytes_per_ms = d2d_bytes_per_ms
         self.strict = strict
+        self.pageable_done_at_return = pageable_done_at_return
         self.compute = Stream(self, "compute")
         self.current = self.compute
         self.streams: List[Stream] = [self.compute]
@@ -270,6 +305,8 @@ class CudaStandIn:
         self.faults: List[str] = []
         self.pageable_async: List[int] = []  # bytes of each non_blocking copy from pageable memory (synchronous)
         self.copies: List[Tuple[Tuple[int, int], Tuple[int, int], Clock, Clock, str]] = []  # (src, dst, start, end)
+        self.uploads: List[Upload] = []  # every copy to the device, in the order the host queued them
+        self.waits: List[Tuple[str, Optional[str]]] = []  # every wait_event: (waiting stream, the event's stream)
         self._device: Dict[int, DeviceBuffer] = {}
         self._pinned: Dict[int, Tuple[int, int]] = {}
         self._host_reads: List[HostRead] = []
@@ -449,6 +486,14 @@ class CudaStandIn:
         span = byte_span(tensor)
         return any(lo <= span[0] and span[1] <= hi for lo, hi in self._pinned.values())
 
+    def is_pinned(self, tensor: torch.Tensor) -> bool:
+        """Whether all of ``tensor``'s bytes are page-locked now (by :meth:`pinner`)."""
+        return self._is_pinned(tensor)
+
+    def pinned_spans(self) -> List[Tuple[int, int]]:
+        """The host byte ranges page-locked now, sorted."""
+        return sorted(self._pinned.values())
+
     def _access(self, buffer: DeviceBuffer, tensor: torch.Tensor, write: bool, clock: Clock, stream: str,
                 what: str) -> None:
         span = byte_span(tensor)
@@ -502,15 +547,18 @@ class CudaStandIn:
         self._access(dst_buffer, dst, True, clock, stream.name, "a copy to the device")
         self.copies.append((span, byte_span(dst), clock, clock, stream.name))
         pinned = self._is_pinned(src)
+        self.uploads.append(Upload(span, byte_span(dst), clock, stream.name, pinned, non_blocking))
         if non_blocking and pinned:
             self._host_reads.append(HostRead(span, clock, stream.name))
         else:  # CUDA stages a pageable source through its own buffer: the host waits for the copy
             if non_blocking:
                 self.pageable_async.append(nbytes)
+                if not self.pageable_done_at_return:  # the source is consumed; the copy may still run
+                    return
             self.host.learn(end, clock)
 
     def on_kernel(self, func, args, kwargs) -> None:
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = _tensors_in((args, kwargs), [])
         if self.forwards and self._host_memory and tensors:
             host = self._host_storage_pointers()
             for tensor in tensors:

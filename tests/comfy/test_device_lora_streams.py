@@ -1,35 +1,24 @@
 """The device-side LoRA's work is queued on a transform stream of its own, after the block's copy and before its
-completion event, with no host-side synchronisation on that path, checked with the vector-clock ``torch.cuda`` stand-in of
-tests/unit/test_stream_ordering.py over ComfyUI's real LoRA math (comfy.lora.calculate_weight).
+completion event, with no host-side synchronisation on that path, checked with the CUDA stand-in of
+tests/cuda_standin.py (the real StreamBackend over it, every operation of the sampling watched for races) over
+ComfyUI's real LoRA math (comfy.lora.calculate_weight).
 
 On the CPU loopback the load device is the host, so "on the device" is decided by storage: the LoRA math may read
 the block's device buffer, the factors DeviceLora keeps on the device (here cloned, as an upload would) and what
 it computed itself. Reading any other tensor is an upload from pageable host memory; ``.item()`` and friends
 (``aten._local_scalar_dense``, ``nonzero``), an event's or a stream's ``synchronize`` are host syncs."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.device_lora import DeviceLora, patches_on_device
+from layerwise_offload.tests import cuda_standin
+from layerwise_offload.tests.cuda_standin import happens_before
+from layerwise_offload.tests.device_lora_setup import offloaded_with_lora, tensors_of
+from layerwise_offload.tests.stream_checks import backend_over, new_cuda
 
-
-
-def _load(path, name):
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fakes = _load(Path(__file__).parents[1] / "unit" / "test_stream_ordering.py", "layerwise_offload_stream_fakes_lora")
-factors_test = _load(Path(__file__).with_name("test_device_lora_factors.py"), "layerwise_offload_lora_factors_test")
-offloaded_with_lora, tensors_of = factors_test.offloaded_with_lora, factors_test.tensors_of
 HOST_SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique2", "item"}
 
 
@@ -72,38 +61,44 @@ def test_the_lora_is_queued_on_its_own_stream_with_no_host_sync(monkeypatch):
                     for p in patches for t in tensors_of(p[1])}
     assert factors and not factors & host_factors
 
-    fake = fakes.FakeCudaModule()
-    manager.backend = fakes.RecordingBackend(fake)  # looks inside: a recording GPU stands in for the node's device
+    manager.release_all()  # every block is copied again, through the stand-in
+    cuda = new_cuda()
+    manager.backend = backend_over(cuda)  # looks inside: the CUDA stand-in takes the node's device's place
+    cuda.drive(manager)
     syncs = []
-    monkeypatch.setattr(fakes.FakeEvent, "synchronize", lambda self: syncs.append("event"))
-    monkeypatch.setattr(fakes.FakeStream, "synchronize", lambda self: syncs.append(f"{self.name} stream"))
+    for kind in (cuda_standin.Event, cuda_standin.Stream):
+        def recorded(self, synchronize=kind.synchronize, kind=kind.__name__):
+            syncs.append(f"{getattr(self, 'name', '')} {kind}".strip())
+            synchronize(self)
+        monkeypatch.setattr(kind, "synchronize", recorded)
     runs = []  # (block, stream it ran on, its clock at the end, problems)
     call = DeviceLora.__call__
 
     def traced(self, index, weights):
         seen = len(syncs)
-        stream = fake.current
+        stream = cuda.current
         with DeviceOnly(factors | {storage(w) for w in weights}) as mode:
             call(self, index, weights)
-        runs.append((index, stream.name, stream.tick(), mode.problems + syncs[seen:]))
+        runs.append((index, stream.name, dict(stream.clock), mode.problems + syncs[seen:]))
     monkeypatch.setattr(DeviceLora, "__call__", traced)
 
     def waits_for_the_lora(index):
         def hook(module, args):
-            read = fake.compute.tick()
             done = [clock for block, _, clock, _ in runs if block == index]
-            if done:
-                assert fakes.happens_before(done[-1], read), f"block {index} may run before its LoRA is applied"
+            if done:  # the compute stream's clock once the manager queued its waits
+                assert happens_before(done[-1], cuda.compute.clock), f"block {index} may run before its LoRA"
         return hook
     for index, block in enumerate(controller.discovered.blocks):
         block.register_forward_pre_hook(waits_for_the_lora(index))  # after the manager's: sees its waits
-    manager.release_all()  # every block copied again, through the stand-in
-    assert torch.equal(tiny_dits.sample(patcher), want)
+    with cuda.running():  # every kernel of the sampling checked: a read racing a copy or a LoRA raises there
+        assert torch.equal(tiny_dits.sample(patcher), want)
     patched = set(transform.plan)
     assert {index for index, *_ in runs} == patched
     for index, stream, _, problems in runs:
         assert stream == "transform", f"block {index}'s LoRA ran on the {stream} stream"
         assert not problems, f"block {index}'s LoRA: {problems[:3]}"
+    assert ("copy", "transform") not in cuda.waits, "the copy stream waits for the LoRA"
+    assert cuda.uploads and not cuda.faults
 
 
 def test_the_checker_sees_an_upload_and_an_item(monkeypatch):

@@ -1,25 +1,12 @@
 """Edges of a forward: running out of device memory while arming, and copies still in flight when it ends."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
-from layerwise_offload.offload import apply_layerwise_offload
-
-
-def _stream_ordering_fakes():
-    """The vector-clock stand-in for ``torch.cuda`` from test_stream_ordering.py (one definition of it)."""
-    path = Path(__file__).with_name("test_stream_ordering.py")
-    spec = importlib.util.spec_from_file_location("layerwise_offload_stream_fakes", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fakes = _stream_ordering_fakes()
+from layerwise_offload.offload import HostEnvironment, apply_layerwise_offload
+from layerwise_offload.tests.cuda_standin import CudaRuleBroken, happens_before, overlaps
+from layerwise_offload.tests.stream_checks import backend_over, new_cuda
 
 
 @pytest.fixture(scope="module")
@@ -62,31 +49,54 @@ def test_out_of_memory_while_arming_leaves_a_usable_manager(x, failing_allocatio
     manager.detach()
 
 
+def offloaded_over_the_standin(model, **settings):
+    """The manager over the CUDA stand-in (tests/cuda_standin.py), its host copies page-locked, the host ahead."""
+    cuda = new_cuda()
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, pin_memory=True,
+                                      environment=HostEnvironment(pinner=cuda.pinner(),
+                                                                  available_host_bytes=lambda: 2**40),
+                                      backend=backend_over(cuda), **settings)
+    cuda.drive(manager)
+    return cuda, manager
+
+
+@pytest.mark.parametrize("released", ["placeholder", "host"])
 @pytest.mark.parametrize("tails", [0, 4096])
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_copies_pending_when_a_forward_ends_are_waited_on_before_outside_reads(x, prefetch, tails):
+def test_copies_pending_when_a_forward_ends_are_waited_on_before_outside_reads(x, prefetch, tails, released):
     """Blocks prefetched for the next forward have copies that may still be running; anything reading the
     weights after the forward (on the current stream) must see finished copies or the host copy, never a slot
-    still being written."""
+    still being written: a prefetched block points at the device only from its own pre-hook on."""
     model = ToyTransformer()
-    fake = fakes.FakeCudaModule()
-    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=1,
-                                      prefetch_size=prefetch, backend=fakes.RecordingBackend(fake),
-                                      streamed_tail_bytes=tails)
-    backend = manager.backend
-    with torch.no_grad():
+    cuda, manager = offloaded_over_the_standin(model, resident_layers=1, prefetch_size=prefetch,
+                                               streamed_tail_bytes=tails, released_params=released)
+    blocks = model.blocks_in_call_order()
+    with cuda.running(), torch.no_grad():
         for _ in range(2):
             model(x)
             assert bool(manager.device_memory.heads) == bool(tails)
             prefetched = [i for i in manager.materialized_blocks() if not manager.schedule.resident[i]]
             assert prefetched  # the look-ahead wrapped into the next forward
-            read = fake.compute.tick()  # code outside the hooks reads the weights now
-            for index in manager.materialized_blocks():
-                for span in fakes.storage_ranges(model.blocks_in_call_order()[index]):
-                    writers = [w for w in backend.writes if fakes.overlaps((w[0], w[1]), span)]
-                    assert not writers or fakes.happens_before(writers[-1][3], read), (
-                        f"block {index}'s parameters view device memory whose copy may still be running")
+            assert not any(manager.points_at_device(i) for i in prefetched)
+            for index in manager.materialized_blocks():  # code outside the hooks reads the weights now
+                for param in blocks[index].parameters():
+                    param.float().sum()  # a race with a copy still writing raises here (CudaRuleBroken)
+    assert not cuda.faults
     manager.detach()
+
+
+def test_the_checker_catches_an_outside_read_of_bytes_in_flight(x):
+    """A prefetched block pointed at its slot as soon as its copy is queued (as the manager once did): the same
+    outside read races with the copy."""
+    model = ToyTransformer()
+    cuda, manager = offloaded_over_the_standin(model, resident_layers=1, prefetch_size=2)
+    with cuda.running(), torch.no_grad():
+        model(x)
+        index = next(i for i in manager.materialized_blocks() if not manager.schedule.resident[i])
+        manager._point_at(index, manager.states.to_point(index))  # looks inside: points it early
+        with pytest.raises(CudaRuleBroken, match="on the compute stream may read the manager's device memory that "
+                                                 "a copy to the device on the copy stream may still write"):
+            model.blocks_in_call_order()[index].mix.weight.sum()
 
 
 @pytest.mark.parametrize("resident, prefetch", [(1, 1), (2, 2), (0, 1)])
@@ -96,19 +106,17 @@ def test_the_compute_stream_does_not_wait_for_the_next_forwards_prefetch(x, resi
     with torch.no_grad():
         want = ToyTransformer()(x)
     model = ToyTransformer()
-    fake = fakes.FakeCudaModule()
-    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=resident,
-                                      prefetch_size=prefetch, backend=fakes.RecordingBackend(fake))
-    backend = manager.backend
-    with torch.no_grad():
+    cuda, manager = offloaded_over_the_standin(model, resident_layers=resident, prefetch_size=prefetch)
+    with cuda.running(), torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(x), want)
             prefetched = [i for i in manager.materialized_blocks() if not manager.schedule.resident[i]]
             assert prefetched
             for index in prefetched:
                 slot = manager.device_memory.slots[manager.device_memory.block_slot[index]]
-                start = slot.data_ptr()
-                writer = [w for w in backend.writes if fakes.overlaps((w[0], w[1]), (start, start + slot.numel()))][-1]
-                assert not fakes.happens_before(writer[3], fake.compute.clock), (
+                span = (slot.data_ptr(), slot.data_ptr() + slot.numel())
+                writer = [u for u in cuda.uploads if overlaps(u.dst, span)][-1]
+                assert not happens_before(writer.clock, cuda.compute.clock), (
                     f"the compute stream waits at the end of the forward for block {index}'s prefetch")
+    assert not cuda.faults
     manager.detach()

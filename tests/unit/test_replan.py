@@ -5,27 +5,15 @@ set are released and their buffer freed, blocks that join it are copied in by th
 kept unless its geometry changes. Counted by ``stats().resident_copies``; the output stays bitwise.
 """
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import HostEnvironment, apply_layerwise_offload, choose_resident_blocks
+from layerwise_offload.tests.cuda_standin import overlaps
+from layerwise_offload.tests.stream_checks import run_checked
 
 NUM_BLOCKS = 7
-
-
-def _stream_ordering():
-    path = Path(__file__).with_name("test_stream_ordering.py")  # the vector-clock checker (one definition of it)
-    spec = importlib.util.spec_from_file_location("layerwise_offload_stream_checker", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-checker = _stream_ordering()
 
 
 @pytest.fixture(scope="module")
@@ -187,30 +175,32 @@ def test_pinning_follows_a_replan_block_by_block(x, want):
     ("leading", 1, (2, 3, 2, 1, 7, 0)), ("strided", 2, (3, 4, 2, 5)), ("leading", 2, (0, 1, 0, 4, 3))])
 @pytest.mark.parametrize("transform", [False, True])
 def test_replans_under_the_stream_checker_never_write_a_kept_resident(policy, prefetch, counts, pinning, transform):
-    """The vector-clock checker of test_stream_ordering.py, a replan before each forward but the first: no block
-    reads before its copy, no copy overwrites a pending read, and no copy or transform writes a kept resident."""
+    """The CUDA stand-in's checks (tests/stream_checks.py), a replan before each forward but the first, with the host
+    ahead (what leaves the plan is freed while copies for the next forward may be in flight): no block reads before
+    its copy, no copy overwrites a pending read, no memory is freed under a stream, and no copy or transform writes
+    a kept resident."""
     snapshots = []  # after each replan: (copies so far, transforms so far, {kept resident: its memory})
 
-    def replan(k, manager, backend):
+    def replan(k, manager, checked):
         if k == 0:
             return
         count = counts[k % len(counts)]
         manager.replan(resident_layers=count)
         kept = {i: (b.data_ptr(), b.data_ptr() + b.numel()) for i, b in manager.device_memory.residents.items()}
         assert set(kept) <= residents(count, policy)
-        snapshots.append((len(backend.writes), len(getattr(backend, "transform_writes", ())), kept))
+        snapshots.append((len(checked.cuda.uploads), len(checked.transforms), kept))
 
-    manager, backend = checker.run_checked(counts[0], prefetch, policy, None, pinning, transform=transform,
-                                           before=replan, forwards=len(counts) + 1)
-    end = (len(backend.writes), len(getattr(backend, "transform_writes", ())), {})
+    checked = run_checked(counts[0], prefetch, policy, None, pinning, transform=transform, before=replan,
+                          forwards=len(counts) + 1)
+    uploads, transforms = checked.cuda.uploads, checked.transforms
+    end = (len(uploads), len(transforms), {})
     assert any(kept for _, _, kept in snapshots)
-    for j, (writes, transforms, kept) in enumerate(snapshots):
+    for j, (copies, transformed, kept) in enumerate(snapshots):
         for index, span in kept.items():
             # Its memory is its own until the first later replan that lets it go (then it may be reused).
             until = next(s for s in snapshots[j + 1:] + [end] if s[2].get(index) != span)
-            for number in range(writes, until[0]):
-                begin, stop = backend.writes[number][:2]
-                assert not checker.overlaps((begin, stop), span), f"copy #{number} wrote kept resident {index}"
-            for begin, stop, _, _ in getattr(backend, "transform_writes", ())[transforms:until[1]]:
-                assert not checker.overlaps((begin, stop), span), f"a transform wrote kept resident {index}"
-    manager.detach()
+            for number in range(copies, until[0]):
+                assert not overlaps(uploads[number].dst, span), f"copy #{number} wrote kept resident {index}"
+            for _, written, _ in transforms[transformed:until[1]]:
+                assert not overlaps(written, span), f"a transform wrote kept resident {index}"
+    checked.manager.detach()
