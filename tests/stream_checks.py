@@ -35,9 +35,12 @@ BLOCK_FLOPS = 102_400  # its matmuls over 2 x 5 tokens
 # Per block: copy 14 ms and compute 50 ms (compute-bound, a Wan-like block), or copy 13 and compute 4 (copy-bound).
 # The host's calls cost 1 us each: a forward of the toy is queued long before the simulated GPU has run it, so the
 # host learns that something finished only by waiting for it, never because it happened to be done.
+# "host_bound": the device takes next to no time, so whatever the host asks about (an event's query) has finished:
+# the paths taken when work is found done (a staging chunk free for a read ahead, a bounce ring retired).
 REGIMES = {
     "compute_bound": dict(h2d_bytes_per_ms=BLOCK_BYTES / 14, flops_per_ms=BLOCK_FLOPS / 50),
     "copy_bound": dict(h2d_bytes_per_ms=BLOCK_BYTES / 13, flops_per_ms=BLOCK_FLOPS / 4),
+    "host_bound": dict(h2d_bytes_per_ms=1e12, flops_per_ms=1e15, bytes_per_ms=1e15, d2d_bytes_per_ms=1e15),
 }
 
 

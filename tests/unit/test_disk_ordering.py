@@ -1,17 +1,16 @@
-"""The disk tier's stage checked for races without a GPU or a slow disk: vector clocks over four actors.
+"""The disk tier's stage checked for races without a GPU or a slow disk, over the CUDA stand-in.
 
-The real StreamBackend and DiskTier run over a stand-in for ``torch.cuda`` whose streams and events keep vector
-clocks, as in test_stream_ordering.py, plus the host thread and the disk: an op a stream runs was queued by the
-host, so it happens after what the host knew then; the host learns that a copy finished only from its event
-(``query``/``synchronize``), and that a read finished only by waiting for it. Reads and copies run for real, so
+The real StreamBackend and DiskTier run over tests/cuda_standin.py: streams in simulated time with the host far
+ahead, vector clocks over the streams, the host and a ``disk`` actor (tests/stream_checks.py ``watch_disk_reads``:
+each read into a staging chunk is the disk writing that chunk, over for the host once it waited for the read). The
+host learns that a copy finished only from its event (``query``/``synchronize``). Reads and copies run for real, so
 the output is checked bitwise too. Both sources of a disk block are checked: the cache file and the checkpoint's
 extents. A disk block is read and copied chunk by chunk through a ring of a few staging chunks; the toy's blocks
 fit in one default chunk, so the chunked runs shrink the chunk to one page (every block several chunks) and the
-ring to one, two or three chunks. The two rules, per staging chunk: it is copied to the device only after its disk
-read finished, and a new read into it starts only after every copy from it finished.
+ring to one, two or three chunks. The two rules, per staging chunk, are the stand-in's: a copy from it must come
+after its disk read finished, and a new read into it (the disk writing host memory) after every copy from it
+finished; either broken raises where it happens.
 """
-
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -21,131 +20,8 @@ from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
 from layerwise_offload.offload.disk import tier as disk_tier
 from layerwise_offload.offload.disk.checkpoint import CheckpointFile
-from layerwise_offload.offload.device.backend import StreamBackend
-
-ACTORS = ("compute", "copy", "host", "disk")
-
-
-def merge(into, other):
-    for actor in ACTORS:
-        into[actor] = max(into[actor], other[actor])
-
-
-def happens_before(a, b):
-    return all(a[s] <= b[s] for s in ACTORS)
-
-
-class Host:
-    def __init__(self):
-        self.clock = {s: 0 for s in ACTORS}
-
-    def tick(self):
-        self.clock["host"] += 1
-        return dict(self.clock)
-
-
-class FakeStream:
-    def __init__(self, name, host):
-        self.name, self.host = name, host
-        self.clock = {s: 0 for s in ACTORS}
-
-    def tick(self):
-        merge(self.clock, self.host.tick())  # queued by the host: after everything it knew
-        self.clock[self.name] += 1
-        return dict(self.clock)
-
-    def wait_event(self, event):
-        if event.clock is not None:
-            merge(self.clock, event.clock)
-
-    def synchronize(self):
-        merge(self.host.clock, self.clock)
-
-
-class FakeEvent:
-    host = None
-
-    def __init__(self, enable_timing=False):
-        self.clock = None
-
-    def record(self, stream):
-        self.clock = stream.tick()
-
-    def synchronize(self):
-        if self.clock is not None:
-            merge(self.host.clock, self.clock)
-
-    def query(self):
-        self.synchronize()  # the fake finishes at once; the host learns it by asking
-        return True
-
-    def elapsed_time(self, other):
-        return 0.0
-
-
-class FakeCudaModule:
-    def __init__(self):
-        self.host = Host()
-        self.Event = type("Event", (FakeEvent,), {"host": self.host})
-        self.compute = FakeStream("compute", self.host)
-        self.current = self.compute
-
-    def Stream(self, device=None):
-        return FakeStream("copy", self.host)
-
-    @contextmanager
-    def stream(self, stream):
-        previous, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = previous
-
-    def current_stream(self, device=None):
-        return self.current
-
-
-class Backend(StreamBackend):
-    def __init__(self, module):
-        self.module, self.device, self.measure_time = module, torch.device("cpu"), True
-        self.copy_stream = module.Stream()
-        self.transform_stream = None
-        self.copy_seconds = self.stall_seconds = 0.0
-        self._pending = []
-        self.copies = []  # (source's first byte, clock at start, clock at end)
-
-    def copy(self, dst, src, after=None, then=None):
-        handle = super().copy(dst, src, after, then)
-        self.copies.append((src.data_ptr(), handle.started.clock, handle.done.clock))
-        return handle
-
-
-class YesPinner:
-    def register(self, tensor):
-        return True
-
-    def unregister(self, tensor):
-        pass
-
-
-def instrument(tier, module, reads):
-    """Record every read into a staging buffer with its clocks; waiting for it teaches the host its end."""
-    start, settle = tier._start, tier._settle
-    ends = {}
-
-    def _start(index, piece, staging):
-        issued = module.host.tick()
-        disk = dict(issued)
-        disk["disk"] = max(c["disk"] for c in [issued] + [r[2] for r in reads]) + 1
-        reads.append((staging.buffer.data_ptr(), issued, disk))
-        ends[id(staging)] = disk
-        start(index, piece, staging)
-
-    def _settle(staging):
-        if staging.future is not None:
-            merge(module.host.clock, ends[id(staging)])
-        settle(staging)
-    tier._start, tier._settle = _start, _settle
+from layerwise_offload.tests.cuda_standin import CudaRuleBroken, overlaps
+from layerwise_offload.tests.stream_checks import backend_over, new_cuda, watch_disk_reads
 
 
 def toy_over_checkpoint(tmp_path):
@@ -161,7 +37,8 @@ def toy_over_checkpoint(tmp_path):
 CHUNKED = [(4096, 1), (4096, 2), (4096, 3)]
 
 
-def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="cache", chunks=None, monkeypatch=None):
+def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="cache", chunks=None, monkeypatch=None,
+                regime="host_bound"):
     if chunks is not None:
         monkeypatch.setattr(disk_tier, "CHUNK_BYTES", chunks[0])
         monkeypatch.setattr(disk_tier, "STAGING_CHUNKS", chunks[1])
@@ -169,43 +46,35 @@ def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="c
     model = toy_over_checkpoint(tmp_path) if source == "checkpoint" else ToyTransformer()
     with torch.no_grad():
         want = model(x)
-    module = FakeCudaModule()
+    cuda = new_cuda(regime)
     manager = LayerwiseOffloadManager(model.blocks_in_call_order(), "cpu", resident_layers=resident,
                                       prefetch_size=prefetch, policy=policy, pin_memory=True, host_store="disk",
-                                      environment=HostEnvironment(disk_folder=str(tmp_path), pinner=YesPinner(),
+                                      environment=HostEnvironment(disk_folder=str(tmp_path), pinner=cuda.pinner(),
                                                                   available_host_bytes=lambda: 2**40),
-                                      backend=Backend(module))
-    backend = manager.backend
+                                      backend=backend_over(cuda))
+    cuda.drive(manager)
     manager.attach(model)
-    reads = []
-    manager.prepare()
-    assert bool(manager.host.disk.extents) == (source == "checkpoint")
-    instrument(manager.host.disk, module, reads)
-    if break_with is not None:
-        break_with(manager.host.disk)
-    with torch.no_grad():
+    reads = []  # (block, chunk, staging buffer's first byte) per read started
+    with cuda.running(), torch.no_grad():
+        manager.prepare()
+        assert bool(manager.host.disk.extents) == (source == "checkpoint")
+        watch_disk_reads(cuda, manager.host.disk, reads)
+        if break_with is not None:
+            break_with(manager.host.disk)
         outputs = [model(x) for _ in range(3)]
-    ring = {s.buffer.data_ptr() for s in manager.host.disk.ring}
-    events = sorted([(r[1]["host"], "read", r) for r in reads] +
-                    [(c[1]["host"], "copy", c) for c in backend.copies if c[0] in ring], key=lambda e: e[0])
-    last_read, copies_since = {}, {}
-    for _, kind, (buffer, begin, end) in events:
-        if kind == "read":
-            for copy_end in copies_since.get(buffer, []):
-                assert happens_before(copy_end, begin), "a read may overwrite a staging buffer a copy still reads"
-            copies_since[buffer] = []
-            last_read[buffer] = end
-        else:
-            assert buffer in last_read and happens_before(last_read[buffer], begin), (
-                "a staging buffer may be copied before its disk read finished")
-            copies_since.setdefault(buffer, []).append(end)
-    assert reads and any(kind == "copy" for _, kind, _ in events)
     tier = manager.host.disk
+    ring = [(s.buffer.data_ptr(), s.buffer.data_ptr() + s.buffer.numel()) for s in tier.ring]
+    assert reads and all(any(begin <= first < end for begin, end in ring) for _, _, first in reads)
+    assert any(overlaps(upload.src, span) for upload in cuda.uploads for span in ring)  # copies from the ring
+    assert all(upload.pinned for upload in cuda.uploads if any(overlaps(upload.src, span) for span in ring))
     assert len(tier.ring) == disk_tier.STAGING_CHUNKS and tier.ring_bytes == disk_tier.staging_ring_bytes(
         max(manager.block_nbytes()))
     if chunks is not None:
         assert len(reads) > 3 * len(manager.schedule.streamed_blocks)  # several chunks per block
-    assert all(torch.equal(out, want) for out in outputs)  # after the clocks: a race shows there first, by name
+    if regime == "host_bound":  # copies found finished: chunks are read ahead of the copies that need them
+        assert tier.demand_reads < len(manager.schedule.streamed_blocks)
+    assert all(torch.equal(out, want) for out in outputs)  # after the stand-in: a race raises there first, by name
+    assert not cuda.faults
     manager.detach()
 
 
@@ -214,7 +83,17 @@ def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="c
 @pytest.mark.parametrize("resident, prefetch, policy", [(0, 1, "leading"), (2, 2, "strided"), (1, 3, "leading")])
 def test_no_copy_before_its_read_and_no_read_over_a_copy_in_flight(tmp_path, monkeypatch, resident, prefetch, policy,
                                                                    source, chunks):
+    """The device quick (a copy the host asks about has finished, so the ring reads ahead into chunks it finds
+    free)."""
     run_checked(resident, prefetch, policy, tmp_path, source=source, chunks=chunks, monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("source", ["cache", "checkpoint"])
+@pytest.mark.parametrize("resident, prefetch, policy", [(0, 1, "leading"), (2, 2, "strided"), (1, 3, "leading")])
+def test_the_same_with_the_host_far_ahead(tmp_path, monkeypatch, resident, prefetch, policy, source):
+    """The device slow (copies still run when the ring wants their chunks: it waits for their events)."""
+    run_checked(resident, prefetch, policy, tmp_path, source=source, chunks=(4096, 2), monkeypatch=monkeypatch,
+                regime="compute_bound")
 
 
 def skip_read_waits(tier):
@@ -228,7 +107,8 @@ def skip_copy_waits(tier, monkeypatch):
 @pytest.mark.parametrize("chunks", [None, (4096, 2)])
 @pytest.mark.parametrize("source", ["cache", "checkpoint"])
 def test_the_checker_catches_a_copy_before_its_read(tmp_path, monkeypatch, source, chunks):
-    with pytest.raises(AssertionError, match="copied before its disk read"):
+    with pytest.raises(CudaRuleBroken, match="a copy on the copy stream reads host memory that a disk write may not "
+                                             "have finished"):
         run_checked(0, 1, "leading", tmp_path, break_with=skip_read_waits, source=source, chunks=chunks,
                     monkeypatch=monkeypatch)
 
@@ -236,6 +116,7 @@ def test_the_checker_catches_a_copy_before_its_read(tmp_path, monkeypatch, sourc
 @pytest.mark.parametrize("chunks", [None, (4096, 2)])
 @pytest.mark.parametrize("source", ["cache", "checkpoint"])
 def test_the_checker_catches_a_read_over_a_copy_in_flight(tmp_path, monkeypatch, source, chunks):
-    with pytest.raises(AssertionError, match="overwrite a staging buffer"):
+    with pytest.raises(CudaRuleBroken, match=r"the host changes host memory \(a disk write\) that a copy on the copy "
+                                             "stream may still read"):
         run_checked(0, 1, "leading", tmp_path, break_with=lambda tier: skip_copy_waits(tier, monkeypatch),
                     source=source, chunks=chunks, monkeypatch=monkeypatch)
