@@ -95,12 +95,15 @@ def halve_on_the_device(cuda: CudaStandIn, transforms: list):
     return halve
 
 
+Before = Callable[[int, LayerwiseOffloadManager, Checked], None]  # before(forward number, manager, the record)
+
+
 def _pinners(cuda: CudaStandIn):
     return {"pinned": cuda.pinner(), "pageable": None, "mixed": cuda.pinner(refuse_after=2)}
 
 
 def run_checked(resident: int, prefetch: int, policy: str, order, pinning: str, backend_class=None,
-                transform: bool = False, before: Optional[Callable[[int, LayerwiseOffloadManager, Checked], None]] = None,
+                transform: bool = False, before: Optional[Before] = None,
                 forwards: int = 3, tails: int = 0, units: bool = False, regime: str = "compute_bound") -> Checked:
     """``forwards`` forwards of a :class:`ToyTransformer` run in ``order`` (None: its own) under the stand-in, the
     manager streaming with these settings; ``pinning``: ``pinned``, ``pageable`` or ``mixed`` (the pinner refuses
@@ -146,7 +149,8 @@ def run_checked(resident: int, prefetch: int, policy: str, order, pinning: str, 
         def hook(module, args, output):
             spans, uploads_at_start = running.pop(index)
             for upload in cuda.uploads[uploads_at_start:]:
-                assert not _overlaps_any(upload.dst, spans), f"a copy was issued into block {index}'s memory while it ran"
+                assert not _overlaps_any(upload.dst, spans), (
+                    f"a copy was issued into block {index}'s memory while it ran")
         return hook
 
     for index, block in enumerate(streamed_modules(model)):

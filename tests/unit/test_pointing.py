@@ -4,27 +4,13 @@ throwaway object after the first time; the parameter keeps its identity, type an
 targets are never modified; moves by someone else are still noticed; the counters read O(1) state that matches the
 blocks'. Counts, not times (times: bench/host_time.py)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 from torch import nn
 
 from layerwise_offload.offload import apply_layerwise_offload
 from layerwise_offload.offload.weights import WrapperPointer, wrapper_inner
-
-
-def _quantized_store_test():
-    path = Path(__file__).with_name("test_quantized_store.py")  # its stand-in subclasses and quantized toy
-    spec = importlib.util.spec_from_file_location("layerwise_offload_quantized_store_test", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-stand_ins = _quantized_store_test()
-ScaledInt8 = stand_ins.ScaledInt8
+from layerwise_offload.tests.quantized_standins import ScaledInt8, quantized_toy
 
 
 def scaled(seed):
@@ -62,8 +48,8 @@ def test_a_wrapper_weight_is_re_pointed_through_contents_of_its_own(monkeypatch,
 def test_a_released_quantized_block_points_at_its_host_copy_and_detach_gives_it_back():
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        want = stand_ins.quantized_toy()(x)
-    model = stand_ins.quantized_toy()
+        want = quantized_toy()(x)
+    model = quantized_toy()
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2,
                                       released_params="host")
     with torch.no_grad():
@@ -83,7 +69,7 @@ def test_a_released_quantized_block_points_at_its_host_copy_and_detach_gives_it_
 
 def test_the_materialized_count_is_what_the_blocks_say():
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
-    model = stand_ins.quantized_toy()
+    model = quantized_toy()
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=1,
                                       prefetch_size=2)
     seen = []

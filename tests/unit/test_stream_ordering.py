@@ -10,7 +10,6 @@ stream, the copy stream never waiting for it) are tests/stream_checks.py's.
 """
 
 import pytest
-import torch
 
 from layerwise_offload.devtools.toy_transformer import ToyTransformer
 from layerwise_offload.offload.device.backend import StreamBackend
