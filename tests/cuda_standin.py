@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = ["CudaRuleBroken", "CudaStandIn", "Upload", "byte_span", "happens_before", "overlaps", "standin_backend"]
 
 aten = torch.ops.aten
+_storage_expired = torch.UntypedStorage._expired
 Clock = Dict[str, int]
 
 
@@ -81,10 +82,14 @@ def _tensors_in(values, out: List[torch.Tensor]) -> List[torch.Tensor]:
 
 def byte_span(tensor: torch.Tensor) -> Tuple[int, int]:
     """The bytes a tensor covers: [first, last + 1)."""
-    if tensor.numel() == 0:
-        return tensor.data_ptr(), tensor.data_ptr()
-    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
-    return tensor.data_ptr(), tensor.data_ptr() + extent * tensor.element_size()
+    numel, first = tensor.numel(), tensor.data_ptr()
+    if numel == 0:
+        return first, first
+    if tensor.is_contiguous():
+        extent = numel
+    else:
+        extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
+    return first, first + extent * tensor.element_size()
 
 
 def overlaps(a: Tuple[int, int], b: Tuple[int, int]) -> bool:
@@ -458,7 +463,8 @@ class CudaStandIn:
             self._checking = False
 
     def _check_frees(self) -> None:
-        freed = [key for key, buffer in self._device.items() if buffer.ref.expired()]
+        expired = _storage_expired  # StorageWeakRef.expired without its two Python calls: this runs at every call
+        freed = [key for key, buffer in self._device.items() if expired(buffer.ref.cdata)]
         for key in freed:
             buffer = self._device.pop(key)
             # Reusable at once by the next allocation of its stream: what that stream and the host know is over.
