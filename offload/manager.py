@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from typing import Callable, Iterable, List, Optional, Sequence
 
 import torch
@@ -33,7 +33,7 @@ from .host.side import HostSide
 from .host.packing import HostStore
 from .schedule import Schedule
 from .stats import Counters, OffloadStats, host_figures
-from .strict import HostCopyGuard, strict_loopback
+from .strict import strict_loopback
 
 
 
@@ -88,6 +88,7 @@ class LayerwiseOffloadManager:
         self.schedule: Optional[Schedule] = None
         self._reset_device_state()
         self._release_after_forward = False
+        self._in_strict_call = False  # the strict loopback's model call: released blocks point at placeholders
 
     # ----------------------------------------------------------------- state
     @property
@@ -359,7 +360,8 @@ class LayerwiseOffloadManager:
         self.params.point_at(index, self.store.layouts[index], views)
 
     def _point_released(self, index: int) -> None:
-        self.params.point_released(index, self.store, self.config.released_params == "host", self.inference_tensors)
+        at_host = self.config.released_params == "host" and not self._in_strict_call
+        self.params.point_released(index, self.store, at_host, self.inference_tensors)
 
     def _release(self, index: int) -> None:
         if not self.states.materialized[index]:
@@ -539,12 +541,26 @@ class LayerwiseOffloadManager:
         self.arm()
         self.attach()
         self.hooks.active = True
-        guard = HostCopyGuard() if self.device.type == "cpu" and strict_loopback() else nullcontext()
+        strict = self.device.type == "cpu" and self.config.released_params == "host" and strict_loopback()
         try:
-            with guard, self.hooks.forward_scope():
+            if strict:
+                self._point_unpointed(at_host=False)
+            with self.hooks.forward_scope():
                 yield self
         finally:
             self.hooks.active = False
+            if strict:
+                self._point_unpointed(at_host=True)
+
+    def _point_unpointed(self, at_host: bool) -> None:
+        """The strict loopback (offload/strict.py): every block not pointed at its device copy to placeholders for a
+        model call, or back to its host copy after it."""
+        self._in_strict_call = not at_host
+        if self.store is None:
+            return
+        for index in range(self.num_blocks):
+            if not self.states.pointed(index) and self.store.buffers[index] is not None:
+                self._point_released(index)
 
     def unload(self) -> None:
         """Release every device byte and remove the hooks (the next :meth:`running` installs them again)."""

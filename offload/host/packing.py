@@ -21,7 +21,6 @@ from torch import nn
 
 from ..memory.pinning import Pinner, PinLedger
 from ..schedule import tail_within
-from ..strict import note_host_copy
 from ..weights import RebuildFn, weight_parts
 
 log = logging.getLogger("layerwise_offload")
@@ -262,7 +261,6 @@ class HostStore:
         layout = self.layouts[index]
         self._drop_buffer(index)
         buffer = allocate_host_buffer(layout.nbytes)
-        note_host_copy(buffer)
         with torch.no_grad():
             for view, source in zip(layout.views(buffer), _packed_sources(layout)):
                 view.copy_(source)
