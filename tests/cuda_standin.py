@@ -263,6 +263,20 @@ _FREE_OPS = {aten.empty.memory_format, aten.empty_strided.default, aten.detach.d
              aten._local_scalar_dense.default}
 
 
+_WRITTEN: Dict[object, Tuple[int, ...]] = {}
+
+
+def _written_arguments(func) -> Tuple[int, ...]:
+    """The positions of the arguments ``func`` writes (its schema's alias annotations), once per operator."""
+    positions = _WRITTEN.get(func)
+    if positions is None:
+        schema = getattr(func, "_schema", None)
+        positions = _WRITTEN[func] = tuple(
+            k for k, argument in enumerate(schema.arguments if schema is not None else ())
+            if argument.alias_info is not None and argument.alias_info.is_write)
+    return positions
+
+
 @dataclass
 class _Properties:
     name: str
@@ -476,9 +490,10 @@ class CudaStandIn:
                                f"use before the memory's reuse by the {buffer.stream.name} stream (wait for its "
                                "event on that stream, synchronise the host, or record_stream)")
 
-    def _buffer_of(self, tensor: torch.Tensor) -> Optional[DeviceBuffer]:
-        buffer = self._device.get(tensor.untyped_storage().data_ptr())
-        if buffer is None or buffer.ref.expired():
+    def _buffer_of(self, tensor: torch.Tensor, storage: Optional[int] = None) -> Optional[DeviceBuffer]:
+        """The device buffer ``tensor`` views (``storage``: its storage's address, where known), or None."""
+        buffer = self._device.get(tensor.untyped_storage().data_ptr() if storage is None else storage)
+        if buffer is None or _storage_expired(buffer.ref.cdata):
             return None
         return buffer
 
@@ -565,28 +580,30 @@ class CudaStandIn:
 
     def on_kernel(self, func, args, kwargs) -> None:
         tensors = _tensors_in((args, kwargs), [])
+        storages = [tensor.untyped_storage().data_ptr() for tensor in tensors]
         if self.forwards and self._host_memory and tensors:
             host = self._host_storage_pointers()
-            for tensor in tensors:
-                if tensor.untyped_storage().data_ptr() in host:
+            for tensor, storage in zip(tensors, storages):
+                if storage in host:
                     self.fault(f"a host tensor in a device computation: {func} reads a block's host copy "
                                f"({tuple(tensor.shape)}, {tensor.dtype}) on the {self.current.name} stream; its "
                                "weights were not on the device when it ran")
         stream = self.current
         _, _, clock = stream.queue(self._kernel_ms(func, args, tensors))
+        buffers = [(tensor, buffer) for tensor, storage in zip(tensors, storages)
+                   if (buffer := self._buffer_of(tensor, storage)) is not None]
+        if not buffers:
+            return
         written = set()
-        schema = getattr(func, "_schema", None)
-        if schema is not None:
-            for argument, value in zip(schema.arguments, args):
-                if isinstance(value, torch.Tensor) and argument.alias_info is not None and argument.alias_info.is_write:
-                    written.add(id(value))
-            for name, value in kwargs.items():
-                if isinstance(value, torch.Tensor) and name == "out":
-                    written.add(id(value))
-        for tensor in tensors:
-            buffer = self._buffer_of(tensor)
-            if buffer is not None:
-                self._access(buffer, tensor, id(tensor) in written, clock, stream.name, f"{func}")
+        for position in _written_arguments(func):
+            if position < len(args) and isinstance(args[position], torch.Tensor):
+                written.add(id(args[position]))
+        out = kwargs.get("out")
+        if isinstance(out, torch.Tensor):
+            written.add(id(out))
+        what = str(func)
+        for tensor, buffer in buffers:
+            self._access(buffer, tensor, id(tensor) in written, clock, stream.name, what)
 
     def _kernel_ms(self, func, args, tensors) -> float:
         operands = _MATMULS.get(func)

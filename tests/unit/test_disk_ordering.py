@@ -88,8 +88,9 @@ def test_no_copy_before_its_read_and_no_read_over_a_copy_in_flight(tmp_path, mon
     run_checked(resident, prefetch, policy, tmp_path, source=source, chunks=chunks, monkeypatch=monkeypatch)
 
 
-@pytest.mark.parametrize("source", ["cache", "checkpoint"])
-@pytest.mark.parametrize("resident, prefetch, policy", [(0, 1, "leading"), (2, 2, "strided"), (1, 3, "leading")])
+@pytest.mark.parametrize("resident, prefetch, policy, source", [(0, 1, "leading", "cache"),
+                                                                (2, 2, "strided", "checkpoint"),
+                                                                (1, 3, "leading", "checkpoint")])
 def test_the_same_with_the_host_far_ahead(tmp_path, monkeypatch, resident, prefetch, policy, source):
     """The device slow (copies still run when the ring wants their chunks: it waits for their events)."""
     run_checked(resident, prefetch, policy, tmp_path, source=source, chunks=(4096, 2), monkeypatch=monkeypatch,
