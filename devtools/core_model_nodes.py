@@ -15,9 +15,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import sys
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 if not __package__:  # run by path: register the pack so the relative imports below work
     import runpy
@@ -32,6 +33,14 @@ NOT_RUN_HERE = {
                          "torch.compile is covered by tests/comfy/test_node.py",
 }
 RESIDENT_COUNTS = (1, 4096)  # 1: every other block streams; 4096: all resident
+# Plans chosen at the run's first step from a budget smaller than the blocks (tight_budget): auto on a card the timing
+# model knows, which streams every block's tail, and residency_policy weights, which streams weight units.
+TAILS, WEIGHTS = "tails", "weights"
+PLANNED = (TAILS, WEIGHTS)
+TIGHT_FRACTION = 0.8  # of the blocks' bytes, beside ComfyUI's reserve and the latent's activations
+# An RTX 4090 behind a link slow enough that the tiny blocks' copies outweigh their host time, as a real model's do
+# on the real link (tests/comfy/test_streamed_tails.py): the timing model then prefers tails to whole blocks.
+SLOW_LINK_CARD = "RTX 4090 behind a 0.2 GB/s link"
 STEPS = 2
 MATRIX_LATENT = (1, 4, 4)  # frames, height, width of the latent (spatial dims only for image families)
 MAX_COMBO_VARIANTS = 8  # a COMBO with more options than this runs its default only
@@ -171,18 +180,101 @@ def fresh_model(family: str, seed: int):
 
 
 ALL_RUNS = tuple((placement, resident) for resident in RESIDENT_COUNTS for placement in ("before", "after"))
+PLANNED_RUNS = tuple((placement, plan) for plan in PLANNED for placement in ("before", "after"))
+EVERY_RUN = ALL_RUNS + PLANNED_RUNS
 
 
-def compare(node: CoreNode, variant: Variant, family: str, runs=ALL_RUNS) -> Iterator[Tuple[str, Optional[int], str]]:
-    """``(placement, resident count, result)`` for one variant, for each ``(placement, resident count)`` of
-    ``runs``; result "bitwise", what differed, or (placement "reference") why the variant does not apply to
-    ``family``: it fails without the offload node too."""
-    import torch
+def matrix_latent(family: str) -> Tuple[int, ...]:
+    from . import tiny_dits
+    shape = tiny_dits.TINY_FAMILIES[family].latent_shape
+    return shape[:2] + MATRIX_LATENT[-(len(shape) - 2):]
+
+
+def offload(model, plan):
+    """The offload node's output for ``plan``: a resident count (leading), :data:`TAILS` or :data:`WEIGHTS`."""
     from ..nodes.controller import offload_model
+    if plan == TAILS:
+        return offload_model(model, -1, 1, "auto")
+    if plan == WEIGHTS:
+        return offload_model(model, -1, 1, "weights")
+    return offload_model(model, plan)
+
+
+@contextmanager
+def tight_budget(patcher, latent: Sequence[int], fraction: float = TIGHT_FRACTION):
+    """While sampling ``patcher`` (an offloaded output, or a clone of one): ComfyUI says free what the plan of its
+    first step leaves for the blocks, :data:`TIGHT_FRACTION` of their bytes, and the loopback plans as
+    :data:`SLOW_LINK_CARD`. The figure is worked out when asked, so the device LoRA's scratch (known once ComfyUI has
+    loaded the model) is in it; the activations are counted at 4 bytes, so a 16-bit compute dtype only adds room."""
+    import dataclasses
+    import torch
+    from unittest import mock
+    from ..nodes import run_planning
+    from ..nodes.patcher import LayerwiseOffloadPatcherMixin
+    from ..offload import TIMING_GPU_ENV, block_width, forward_activation_bytes, gpu_costs
+    mm = import_comfyui().model_management
+    controller = patcher.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
+    per_channel = int(torch.Size(latent[2:]).numel())
+    activations = forward_activation_bytes(type(controller.diffusion_model).__name__,
+                                           block_width(controller.discovered.whole_blocks[0]), per_channel,
+                                           batch=2 * latent[0], dtype_bytes=4, latent_channels=latent[1]).nbytes
+
+    def free_bytes() -> int:
+        blocks = sum(controller.manager.block_nbytes())
+        return (int(mm.minimum_inference_memory()) + activations + controller.device_lora_scratch
+                + int(fraction * blocks))
+
+    def get_free_memory(dev=None, torch_free_too=False):
+        free = free_bytes()
+        return (free, free) if torch_free_too else free
+    card = dataclasses.replace(gpu_costs.GPUS["RTX 4090 24GB"], name=SLOW_LINK_CARD, h2d_bytes_per_s=0.2e9)
+    with mock.patch.object(mm, "get_free_memory", get_free_memory), \
+            mock.patch.object(run_planning, "available_host_bytes", lambda: None), \
+            mock.patch.dict(gpu_costs.GPUS, {SLOW_LINK_CARD: card}), \
+            mock.patch.dict("os.environ", {TIMING_GPU_ENV: SLOW_LINK_CARD}):
+        yield
+
+
+def planned_as_asked(patcher, plan) -> Optional[str]:
+    """Why the last run of an offloaded ``patcher`` did not stream as ``plan`` asks (None: it did): part of the
+    model streamed and part stayed on the device; with :data:`TAILS`, every block streamed a tail."""
+    from ..nodes.patcher import LayerwiseOffloadPatcherMixin
+    controller = patcher.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
+    manager = controller.manager
+    if plan not in PLANNED:
+        return None
+    stats = manager.stats()
+    if not (0 < stats.bytes_copied_last_forward < sum(manager.block_nbytes())) or manager.device_bytes() == 0:
+        return (f"not partly resident: {stats.bytes_copied_last_forward} of {sum(manager.block_nbytes())} bytes "
+                f"streamed, {manager.device_bytes()} held")
+    if plan == TAILS and not isinstance(manager.config.streamed_tail_bytes, tuple):
+        return f"auto chose {controller.last_choice[:3]}, not streamed tails"
+    if plan == WEIGHTS and not controller.discovered.streams_weights:
+        return "not streamed by weight units"
+    return None
+
+
+def sample_with_plan(patcher, plan, family: str, unload: bool = True):
+    """``tiny_dits.sample`` of the matrix, under :func:`tight_budget` where ``plan`` is planned at the first step."""
     from . import tiny_dits
     mm = import_comfyui().model_management
-    shape = tiny_dits.TINY_FAMILIES[family].latent_shape
-    latent = shape[:2] + MATRIX_LATENT[-(len(shape) - 2):]
+    latent = matrix_latent(family)
+    try:
+        with tight_budget(patcher, latent) if plan in PLANNED else nullcontext():
+            return tiny_dits.sample(patcher, latent=latent, seed=3, steps=STEPS, family=family)
+    finally:
+        if unload:
+            mm.unload_all_models()
+
+
+def compare(node: CoreNode, variant: Variant, family: str, runs=ALL_RUNS) -> Iterator[Tuple[str, Any, str]]:
+    """``(placement, plan, result)`` for one variant, for each ``(placement, plan)`` of ``runs`` (a plan: a resident
+    count, :data:`TAILS` or :data:`WEIGHTS`); result "bitwise", what differed, or (placement "reference") why the
+    variant does not apply to ``family``: it fails without the offload node too."""
+    import torch
+    from . import tiny_dits
+    mm = import_comfyui().model_management
+    latent = matrix_latent(family)
 
     def models():
         return [fresh_model(family, k) for k in range(len(node.model_inputs))]
@@ -199,23 +291,32 @@ def compare(node: CoreNode, variant: Variant, family: str, runs=ALL_RUNS) -> Ite
         yield "reference", None, f"not applicable: fails without the offload node too: {type(error).__name__}: " \
                                  f"{str(error)[:120]}"
         return
-    for placement, resident in runs:
+    for placement, plan in runs:
         try:
             inputs = models()
             if placement == "before":
-                patched = offload_model(_apply(variant, node.cls, node.model_inputs, inputs), resident)
+                patched = offload(_apply(variant, node.cls, node.model_inputs, inputs), plan)
             else:
-                offloaded = [offload_model(inputs[0], resident)] + inputs[1:]
+                offloaded = [offload(inputs[0], plan)] + inputs[1:]
                 patched = _apply(variant, node.cls, node.model_inputs, offloaded)
-            out = sample(patched)
+            out = sample_with_plan(patched, plan, family, unload=False)
+            not_as_asked = planned_as_asked(patched, plan)
+            mm.unload_all_models()
         except Exception as error:
-            yield placement, resident, f"FAILED: {type(error).__name__}: {error}"
+            mm.unload_all_models()
+            yield placement, plan, f"FAILED: {type(error).__name__}: {error}"
             continue
         same = out.shape == reference.shape and torch.equal(out, reference)
-        if same or out.shape != reference.shape:
-            yield placement, resident, "bitwise" if same else f"DIFFERS (shape {tuple(out.shape)})"
+        if not_as_asked is not None:
+            yield placement, plan, f"PLAN NOT AS ASKED ({not_as_asked}; {'bitwise' if same else 'differs'})"
+        elif same or out.shape != reference.shape:
+            yield placement, plan, "bitwise" if same else f"DIFFERS (shape {tuple(out.shape)})"
         else:
-            yield placement, resident, f"DIFFERS (max abs {(out - reference).abs().max().item():.3g})"
+            yield placement, plan, f"DIFFERS (max abs {(out - reference).abs().max().item():.3g})"
+
+
+def plan_label(plan) -> str:
+    return plan if plan in PLANNED else f"resident={plan}"
 
 
 def main(argv=None) -> int:
@@ -224,7 +325,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--family", default="wan21")
     parser.add_argument("--only", nargs="*", help="node names to run (default: all)")
+    parser.add_argument("--plans", action="store_true",
+                        help=f"also the plans chosen at the first step under a tight budget ({', '.join(PLANNED)})")
     args = parser.parse_args(argv)
+    runs = EVERY_RUN if args.plans else ALL_RUNS
     os.environ.setdefault("LAYERWISE_OFFLOAD_CPU_LOOPBACK", "1")
     failures = 0
     for node in core_model_nodes():
@@ -234,12 +338,12 @@ def main(argv=None) -> int:
             print(f"{node.name:32s} not run: {node.reason}")
             continue
         for variant in node.variants:
-            for placement, resident, result in compare(node, variant, args.family):
+            for placement, plan, result in compare(node, variant, args.family, runs):
                 if placement == "reference":
                     print(f"{node.name:32s} {variant.label:24s} {result}")
                     continue
                 failures += result != "bitwise"
-                print(f"{node.name:32s} {variant.label:24s} {placement:6s} resident={resident:<5d} {result}")
+                print(f"{node.name:32s} {variant.label:24s} {placement:6s} {plan_label(plan):14s} {result}")
     print(f"[layerwise-offload] {args.family}: {failures} rows not bitwise")
     return 1 if failures else 0
 

@@ -1,4 +1,6 @@
-"""Issue 20: every core MODEL-patching node of this ComfyUI, before and after the offload node, bitwise.
+"""Issue 20: every core MODEL-patching node of this ComfyUI, before and after the offload node, bitwise; issue 42:
+the same under the plans chosen at the run's first step at a tight budget (streamed tails, weight units), in the
+release set.
 
 The rows come from walking ComfyUI's node classes (devtools/core_model_nodes.py), so a later ComfyUI's new nodes
 join by themselves. Families: Wan 2.1 (``modulation`` parameters on blocks and head) and LTXV
@@ -26,6 +28,16 @@ ROWS += [(node, variant, "ltxv", core_model_nodes.ALL_RUNS) for node, variant in
          if variant.label.startswith("dtype=")]
 # Nodes whose inputs cannot be made here are rows too, skipped with the reason.
 ROWS += [(node, None, "wan21", ()) for node in NODES if node.reason is not None]
+IDS = [f"{n.name}[{v.label if v else 'not run'}]-{f}" for n, v, f, _ in ROWS]
+# The release set (-m release, docs/testing.md): the same rows under the plans chosen at the first step from a budget
+# of 0.8 of the blocks' bytes, streamed tails (auto on a card the timing model knows) and weight units
+# (residency_policy weights), before and after the node: every node's defaults on both families, the other choices
+# on Wan 2.1, every compute dtype on LTXV.
+PLANNED = core_model_nodes.PLANNED_RUNS
+RELEASE_ROWS = [(node, variant, family, PLANNED) for node, variant in RUNNABLE for family in ("wan21", "ltxv")
+                if variant.label == "defaults" or (family == "wan21") != variant.label.startswith("dtype=")]
+ROWS += [pytest.param(*row, marks=pytest.mark.release) for row in RELEASE_ROWS]
+IDS += [f"{n.name}[{v.label}]-{f}-planned" for n, v, f, _ in RELEASE_ROWS]
 
 
 def test_the_matrix_is_found_by_discovery():
@@ -40,15 +52,14 @@ def test_the_matrix_is_found_by_discovery():
     assert len(RUNNABLE) >= 40
 
 
-@pytest.mark.parametrize("node,variant,family,runs", ROWS,
-                         ids=[f"{n.name}[{v.label if v else 'not run'}]-{f}" for n, v, f, _ in ROWS])
+@pytest.mark.parametrize("node,variant,family,runs", ROWS, ids=IDS)
 def test_core_node_is_bitwise_with_and_without_offload(node, variant, family, runs):
     if variant is None:
         pytest.skip(f"{node.name}: {node.reason}")
     rows = list(core_model_nodes.compare(node, variant, family, runs))
     if rows[0][0] == "reference":
         pytest.skip(f"{node.name} does not apply to {family}: {rows[0][2]}")
-    bad = [f"{placement} the offload node, resident_layers={resident}: {result}"
-           for placement, resident, result in rows if result != "bitwise"]
+    bad = [f"{placement} the offload node, {core_model_nodes.plan_label(plan)}: {result}"
+           for placement, plan, result in rows if result != "bitwise"]
     assert not bad, f"{node.name} [{variant.label}] on {family}: " + "; ".join(bad)
 
