@@ -185,3 +185,14 @@ def test_other_regimes_keep_the_order(regime, resident, prefetch, policy, order)
     the host asks (the stand-in's times differ, and with them what the host finds finished when it asks), with a
     transform and mixed page-locking."""
     run_checked(resident, prefetch, policy, order, "mixed", transform=True, regime=regime)
+
+
+@pytest.mark.xfail(raises=CudaRuleBroken, strict=True,
+                   reason="engine fault (offload/manager.py, _release of a block evicted by DeviceMemory.acquire): "
+                          "the next copy into its slot waits for the compute stream only, not for its transform")
+def test_a_prefetch_evicted_before_it_ran_is_not_overwritten_under_its_transform():
+    """The reversed order contradicts the prefetch of the first forward: blocks copied in (and transformed on the
+    transform stream) ahead of their run are evicted unrun, and the next copy into their slot must come after their
+    transform as well as after the compute stream's last read. Today it raises "a copy to the device on the copy
+    stream may write the manager's device memory that aten.mul_.Tensor on the transform stream may still write"."""
+    run_checked(2, 2, "leading", REVERSED, "pinned", transform=True)
