@@ -43,7 +43,7 @@ from .read_rate import format_rate
 from ..planner import format_bytes
 
 __all__ = ["DISK_STALL_BUDGET_S", "HOST_STORES", "PACKING_SLACK_BYTES", "RAM_FLOOR_BYTES", "RAM_MARGIN_BYTES",
-           "TierPlan", "freed_by_packing", "plan_host_tiers", "refusal"]
+           "TierPlan", "freed_by_packing", "plan_host_tiers", "refusal", "shortfall_sum"]
 
 
 # Allocator rounding, Python objects, the packing loop's own temporaries: what packing may take beyond its bytes.
@@ -104,6 +104,10 @@ class TierPlan:
     available_bytes: the host memory available when planned (None: unknown). reason: why blocks are on disk.
     tight_ring: RAM leaves no choice but the disk, so the staging ring is of its small chunks (``ring_bytes``
     counts them; ``disk/tier.py`` :data:`TIGHT_CHUNK_BYTES`).
+    device_share_bytes: what a device living in host RAM (the CPU loopback) takes from it once the plan is armed,
+    after packing: its streaming slots, residents and scratch (a GPU holds them in VRAM). Packing's peak and
+    its temporaries are gone by then, so the two are weighed apart: packing needs ``peak_bytes`` + its slack, the
+    armed plan ``growth_bytes`` + ``device_share_bytes``.
     """
 
     disk: Tuple[bool, ...]
@@ -115,16 +119,29 @@ class TierPlan:
     reason: str = ""
     read_rate: Optional[float] = None  # bytes per second of the disk blocks' file system, where it was asked for
     tight_ring: bool = False
+    device_share_bytes: int = 0
 
     @property
     def disk_blocks(self) -> int:
         return sum(self.disk)
 
-    def shortfall(self, slack: int = PACKING_SLACK_BYTES) -> Optional[int]:
-        """Bytes missing for packing to complete (None: it fits, or the available memory is unknown)."""
+    def needed_bytes(self, slack: int = PACKING_SLACK_BYTES) -> int:
+        """The host RAM the plan needs at its most: packing's peak with its slack, or the armed plan's growth
+        beside what the device takes from RAM, whichever is more."""
+        return max(self.peak_bytes + slack, self.growth_bytes + self.device_share_bytes)
+
+    def free_after(self) -> Optional[int]:
+        """Host RAM left once packed and armed (None: unknown)."""
         if self.available_bytes is None:
             return None
-        missing = self.peak_bytes + slack - self.available_bytes
+        return self.available_bytes - self.growth_bytes - self.device_share_bytes
+
+    def shortfall(self, slack: int = PACKING_SLACK_BYTES) -> Optional[int]:
+        """Bytes missing for packing to complete and the plan to arm (None: it fits, or the available memory is
+        unknown)."""
+        if self.available_bytes is None:
+            return None
+        missing = self.needed_bytes(slack) - self.available_bytes
         return missing if missing > 0 else None
 
 
@@ -154,7 +171,8 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
                     chunk_bytes: int = 0, slack: int = PACKING_SLACK_BYTES,
                     padding_bytes: Sequence[int] = (),
                     read_rate: Optional[Callable[[], Tuple[Optional[float], str]]] = None,
-                    stall_budget_s: float = DISK_STALL_BUDGET_S, floor: int = RAM_FLOOR_BYTES) -> TierPlan:
+                    stall_budget_s: float = DISK_STALL_BUDGET_S, floor: int = RAM_FLOOR_BYTES,
+                    device_share: int = 0) -> TierPlan:
     """Choose each block's tier for ``mode`` (auto | ram | disk) and the cost of packing.
 
     ``sizes``: packed bytes per block; ``freed``: bytes of ComfyUI's copy each block's packing frees;
@@ -165,7 +183,9 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     written through (0: the whole block); ``padding_bytes``: per block, the alignment padding among its bytes.
     ``read_rate()``: (bytes per second, how it was found, in words) of the file system the disk blocks are read
     from (None: unknown), asked only where some block may go to disk; auto weighs its optional disk blocks by it
-    (``stall_budget_s``, ``floor``: see the module docstring).
+    (``stall_budget_s``, ``floor``: see the module docstring). ``device_share``: what a device living in host RAM
+    takes from it once armed, after packing (:attr:`TierPlan.device_share_bytes`); the margin and the floor are
+    what is left beside it.
     """
     if mode not in HOST_STORES:
         raise ValueError(f"host_store must be one of {', '.join(HOST_STORES)}, got {mode!r}")
@@ -187,7 +207,8 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
         peak, growth = _costs([c[0] for c in costs], [c[1] for c in costs], [c[2] for c in costs],
                               ring_now if needs_ring else 0, chunk_bytes)
         known = rate_known[0][0] if rate_known else None
-        return TierPlan(disk, peak, growth, ring_now, available, margin, reason, known, tight and any(disk))
+        return TierPlan(disk, peak, growth, ring_now, available, margin, reason, known, tight and any(disk),
+                        device_share)
 
     def fits(candidate: TierPlan) -> bool:
         return candidate.shortfall(slack) is None
@@ -215,7 +236,7 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
 
     start = tuple(f and not w for f, w in zip(fixed, waiting))
     in_ram = plan(start)
-    if available is None or as_comfyui_alone(in_ram) or available - in_ram.growth_bytes >= margin:
+    if available is None or as_comfyui_alone(in_ram) or (in_ram.free_after() >= margin and fits(in_ram)):
         return in_ram  # no more RAM than ComfyUI's copy held, or the margin kept with every block in RAM
     # The blocks latest in the step go first (the leading ones are the residents).
     order = [i for i in reversed(range(n)) if not start[i] and waiting[i]]
@@ -232,10 +253,9 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
 
     # RAM leaves no choice below the floor, or where packing would not fit at all: judged with the small ring,
     # which such a plan then reads through (every MiB of ring is one less for ComfyUI and the sampler).
-    forced = fewest(lambda p: (available - p.growth_bytes >= min(floor, margin) and fits(p)) or as_comfyui_alone(p),
-                    tight=True)
+    forced = fewest(lambda p: (p.free_after() >= min(floor, margin) and fits(p)) or as_comfyui_alone(p), tight=True)
     tight = forced > 0
-    keeps_margin = fewest(lambda p: available - p.growth_bytes >= margin or as_comfyui_alone(p), tight)
+    keeps_margin = fewest(lambda p: p.free_after() >= margin or as_comfyui_alone(p), tight)
     optional = order[forced:keeps_margin]
     count, why = max(forced, keeps_margin), ""
     if optional:
@@ -265,17 +285,19 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
         best = in_ram  # the disk plan's ring does not fit where packing into RAM does
     if not best.disk_blocks and not why:
         return best
-    free_after = available - best.growth_bytes
+    free_after = best.free_after()
     forced_words = (f"RAM short: {forced} blocks must go to disk to leave {min(floor, margin) / 2**20:.0f} MiB "
                     f"free" if forced else "")
-    head = (f"host RAM: {available / 2**20:.0f} MiB available, {free_after / 2**20:.0f} MiB left with "
+    beside = (f" beside the {device_share / 2**20:.0f} MiB the CPU loopback's slots and residents take"
+              if device_share else "")
+    head = (f"host RAM: {available / 2**20:.0f} MiB available, {free_after / 2**20:.0f} MiB left{beside} with "
             f"{best.disk_blocks} blocks on disk")
     parts = [head] + [words for words in (forced_words, why) if words]
     if best.disk_blocks:
         parts.append(reading(best.disk, said=bool(why)))
     known = rate_known[0][0] if rate_known else None
     return TierPlan(best.disk, best.peak_bytes, best.growth_bytes, best.ring_bytes, available, margin,
-                    "; ".join(parts), known, best.tight_ring)
+                    "; ".join(parts), known, best.tight_ring, device_share)
 
 
 def _size(nbytes: int) -> str:
@@ -287,6 +309,39 @@ def _seconds(value: float) -> str:
     return f"{value:.2f} s" if value >= 0.1 else f"{value * 1e3:.2f} ms"
 
 
+def _mib_up(nbytes: int) -> int:
+    return -(-nbytes // 2**20)
+
+
+def _mib_down(nbytes: int) -> int:
+    return nbytes // 2**20
+
+
+def shortfall_sum(plan: TierPlan, slack: int = PACKING_SLACK_BYTES) -> str:
+    """The refusal's figures in one sum a user can check, in whole MiB (what is needed rounded up, what is
+    available rounded down, the difference of the two as shown): what binds, packing's peak with its slack or
+    the armed plan beside what the CPU loopback takes from RAM, against what is available."""
+    available = _mib_down(plan.available_bytes or 0)
+    if plan.peak_bytes + slack >= plan.growth_bytes + plan.device_share_bytes:
+        peak, kept = _mib_up(plan.peak_bytes), _mib_up(slack)
+        need = peak + kept
+        what = (f"packing the blocks needs {peak} MiB at its peak (ComfyUI's copy of each block is freed as it is "
+                f"packed) + {kept} MiB kept for packing's own temporaries = {need} MiB")
+    else:
+        share = _mib_up(plan.device_share_bytes)
+        if plan.growth_bytes >= 0:
+            growth = _mib_up(plan.growth_bytes)
+            need = growth + share
+            what = (f"the packed blocks add {growth} MiB + the CPU loopback's streaming slots and residents take "
+                    f"{share} MiB of RAM (VRAM on a GPU) = {need} MiB")
+        else:
+            freed = _mib_down(-plan.growth_bytes)
+            need = share - freed
+            what = (f"the CPU loopback's streaming slots and residents take {share} MiB of RAM (VRAM on a GPU) - "
+                    f"packing frees {freed} MiB = {need} MiB")
+    return f"{what}, but {available} MiB is available: {need - available} MiB short"
+
+
 def refusal(plan: TierPlan, settings: str, ring: str, num_blocks: int,
             no_disk_tier: Optional[str] = None, disk_fits: bool = True) -> str:
     """The message refusing a packing ``plan`` that does not fit, with what helps (``settings``: the caller's
@@ -295,16 +350,15 @@ def refusal(plan: TierPlan, settings: str, ring: str, num_blocks: int,
     fit, else the disk tier is not offered either: advice must work when followed)."""
     if not disk_fits and no_disk_tier is None:
         no_disk_tier = "even with every block on disk the staging ring would not fit"
-    mib = lambda n: f"{n / 2**20:.0f} MiB"  # noqa: E731
-    head = (f"[layerwise-offload] host memory is short: packing the blocks needs {mib(plan.peak_bytes)} more "
-            f"at its peak (ComfyUI's copy of each block is freed as it is packed) but only "
-            f"{mib(plan.available_bytes)} is available ({settings}).")
-    if plan.disk_blocks < num_blocks:
+    every_on_disk = plan.disk_blocks == num_blocks
+    where = (f"with every block on disk (a staging ring of {_mib_up(plan.ring_bytes)} MiB), " if every_on_disk
+             else "")
+    head = f"[layerwise-offload] host memory is short: {where}{shortfall_sum(plan)} ({settings})."
+    if not every_on_disk:
         disk = (f"host_store = disk (the blocks' host copies live in a cache file on disk, RAM holds a staging ring "
                 f"of {ring}), " if no_disk_tier is None else "")
         platform = f" (No disk tier here: {no_disk_tier}.)" if no_disk_tier is not None else ""
         return (f"{head} Every block is kept in host RAM whatever resident_layers is, so raising it does not help. "
                 f"What helps: {disk}unload other models (or restart ComfyUI), a smaller checkpoint or an fp8/GGUF "
                 f"one, pin_memory off, or more RAM.{platform}")
-    return (f"{head} Even with every block on disk the staging ring ({mib(plan.ring_bytes)}) does not fit. "
-            f"What helps: unload other models (or restart ComfyUI), an fp8/GGUF checkpoint, or more RAM.")
+    return f"{head} What helps: unload other models (or restart ComfyUI), an fp8/GGUF checkpoint, or more RAM."

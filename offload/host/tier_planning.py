@@ -63,7 +63,7 @@ class TierPlanner:
                  for i, n in enumerate(named)]
         ring = self.ring_size
         return plan_host_tiers(
-            sizes, freed, mode, self.available_bytes(),
+            sizes, freed, mode, self.available_bytes(beside_device=False), device_share=self.device_share_bytes(),
             ring_bytes=lambda tiers, tight: staging_ring_bytes(max((s for s, d in zip(sizes, tiers) if d), default=0),
                                                                ring, tight),
             margin=RAM_MARGIN_BYTES, waiting=[i in waiting_set for i in range(len(self.blocks))], chunk_bytes=CHUNK_BYTES,
@@ -93,11 +93,16 @@ class TierPlanner:
         once the plan is armed (see :class:`HostEnvironment`)."""
         probe = self.environment.available_host_bytes
         free = available_host_bytes() if probe is None else probe()
-        device_takes = self.environment.device_bytes_from_host
-        if free is None or device_takes is None or not beside_device:
+        if free is None or not beside_device:
             return free
-        # Packing's slack (its temporaries) is free again before the first forward takes the slots: kept once.
-        return max(0, free - max(0, device_takes() - PACKING_SLACK_BYTES))
+        return max(0, free - self.device_share_bytes())
+
+    def device_share_bytes(self) -> int:
+        """What a device living in host RAM (the CPU loopback) will take from it once the plan is armed, beyond
+        what it holds now: 0 beside a GPU. The tier plan weighs it after packing, not during it: the slots are
+        allocated at the first forward, when packing's peak and temporaries are gone (TierPlan)."""
+        device_takes = self.environment.device_bytes_from_host
+        return 0 if device_takes is None else max(0, device_takes())
 
     # ----------------------------------------------------------------- refusals
     def shortfall(self, waiting: Sequence[int], mode: str, disk: Optional[HostTier], pin_memory: bool,
@@ -117,7 +122,8 @@ class TierPlanner:
         if available is not None and available < need + PACKING_SLACK_BYTES:
             tiers = plan.disk if plan is not None else (False,) * len(self.blocks)
             ring = plan.ring_bytes if plan is not None else 0
-            raise MemoryError(self.refusal(TierPlan(tiers, need, need, ring, available, 0), disk, pin_memory))
+            raise MemoryError(self.refusal(TierPlan(tiers, peak_bytes=need, growth_bytes=need, ring_bytes=ring,
+                                                    available_bytes=available, margin_bytes=0), disk, pin_memory))
 
     def refusal(self, plan: TierPlan, disk: Optional[HostTier], pin_memory: bool, settings: Optional[str] = None,
                 waiting: Optional[Sequence[int]] = None) -> str:
