@@ -350,18 +350,18 @@ def comfyui_alone_limit(servers: Servers, loader: str):
     return high, free
 
 
-def node_limit(servers: Servers, loader: str, failed_at: int, ceiling: int) -> Optional[int]:
+def node_limit(servers: Servers, loader: str, failed_at: int, ceiling: int, settings=DEFAULTS) -> Optional[int]:
     """The node's own smallest limit (to RESOLUTION) above ``failed_at``, up to ``ceiling`` (None: not found)."""
     low, step, high = failed_at, RESOLUTION, None
     while high is None and low < ceiling:
         tried = min(low + step, ceiling)
-        if attempt(servers, loader, tried, f"limit/{loader}/node_needs", DEFAULTS).completed:
+        if attempt(servers, loader, tried, f"limit/{loader}/node_needs", settings).completed:
             high = tried
         else:
             low, step = tried, 2 * step
     while high is not None and high - low > RESOLUTION:
         middle = (low + high) // 2 // 4096 * 4096
-        if attempt(servers, loader, middle, f"limit/{loader}/node_needs", DEFAULTS).completed:
+        if attempt(servers, loader, middle, f"limit/{loader}/node_needs", settings).completed:
             high = middle
         else:
             low = middle
@@ -374,8 +374,20 @@ def node_limit(servers: Servers, loader: str, failed_at: int, ceiling: int) -> O
 # (2 x 16 MiB), which left the node 28 MiB above alone + the slots with ComfyUI-GGUF (measured at 4 MiB resolution)
 # and failed this test once in CI; where RAM leaves no choice but the disk it is now 2 x 4 MiB (offload/disk/tier.py
 # TIGHT_CHUNK_BYTES): 8 MiB above, inside the search's resolution.
-@pytest.mark.parametrize("loader", ["UNETLoader", LAYERWISE_LOADER, GGUF_LOADER])
-def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader):
+# The slack the node gets over ComfyUI alone's own limit is all the CPU loopback's and the search's: the two
+# streaming slots of prefetch 1 (2 x the largest block: RAM here, where the loopback's "VRAM" lives; on a GPU they
+# are VRAM and the node adds no RAM for them) and the search's RESOLUTION (alone's true need lies anywhere in the
+# RESOLUTION below the limit it found). Nothing is allowed for the node's own host side: what it adds over alone and
+# the slots (the disk tier's 8 MiB ring where RAM leaves no choice) must fit inside that resolution.
+# The issue's case also with resident_layers = 0 (every block streamed by a count of the user's, no auto plan): in
+# the release set, as LAYERWISE_OFFLOAD_LIMIT_BLOCKS=32 LAYERWISE_OFFLOAD_LIMIT_RUNS=10 on ComfyUI 0.33.0.
+RESIDENT_0 = dict(DEFAULTS, resident_layers=0)
+
+
+@pytest.mark.parametrize("loader,settings", [
+    *[pytest.param(loader, DEFAULTS, id=loader) for loader in ("UNETLoader", LAYERWISE_LOADER, GGUF_LOADER)],
+    pytest.param("UNETLoader", RESIDENT_0, id="UNETLoader-resident_0", marks=pytest.mark.release)])
+def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader, settings):
     from layerwise_offload.nodes.offload_node import DEFAULTS as NODE_DEFAULTS
 
     assert NODE_DEFAULTS == DEFAULTS, "the node's defaults changed: update DEFAULTS here"
@@ -385,18 +397,19 @@ def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader):
     started = time.perf_counter()
     servers.said = False  # this test's first line on a line of its own
     limit, free = comfyui_alone_limit(servers, loader)
-    # prefetch 1: two streaming slots, the loopback's "VRAM"; and the search's resolution, since alone's true need
-    # lies anywhere in the RESOLUTION below the limit it found (measured: the node needs alone + 121-130 MiB of
-    # its 128 MiB of slots, so at the grid point just above alone's need it could miss by a couple of MiB).
+    # (measured on 0.3.75: the node needs alone + 121-130 MiB of its 128 MiB of slots, so at the grid point just
+    # above alone's need it could miss by a couple of MiB without the resolution.)
     slots = 2 * servers.block[loader] + RESOLUTION
-    servers.say(f"[layerwise-offload] {loader}: ComfyUI alone's smallest limit {limit / MiB:.0f} MiB (unlimited "
-                f"peak {free.peak / MiB:.0f} MiB, the server {free.before / MiB:.0f} MiB before it); the node runs "
-                f"under {limit / MiB:.0f} + {slots / MiB:.0f} MiB (2 loopback slots of {servers.block[loader] / MiB:.0f} MiB "
-                f"and the search's {RESOLUTION / MiB:.0f} MiB resolution)",
-                summary=True)
+    servers.say(f"[layerwise-offload] {loader} ({settings_words(settings)}): ComfyUI alone's smallest limit "
+                f"{limit / MiB:.0f} MiB (unlimited peak {free.peak / MiB:.0f} MiB, the server {free.before / MiB:.0f} "
+                f"MiB before it); the node runs under {limit / MiB:.0f} + {slots / MiB:.0f} MiB: "
+                f"{2 * servers.block[loader] / MiB:.0f} MiB of 2 loopback streaming slots of "
+                f"{servers.block[loader] / MiB:.0f} MiB (RAM on the CPU loopback, VRAM on a GPU) and the search's "
+                f"{RESOLUTION / MiB:.0f} MiB resolution", summary=True)
     run, retried = 0, False
+    peaks = []
     while run < RUNS:
-        got = attempt(servers, loader, limit + slots, f"limit/{loader}/node{run}", DEFAULTS)
+        got = attempt(servers, loader, limit + slots, f"limit/{loader}/node{run}", settings)
         servers.say(f"[layerwise-offload]   node run {run}: {'completed' if got.completed else got.why[:200]}; "
                     f"{got.disk_plan}; auto residents: {got.residents}", summary=True)
         if not got.completed and not retried:
@@ -420,7 +433,7 @@ def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader):
                             "once more", summary=True)
             continue
         if not got.completed:
-            needs = node_limit(servers, loader, limit + slots, free.peak + 4 * slots)
+            needs = node_limit(servers, loader, limit + slots, free.peak + 4 * slots, settings)
             needs_text = (f"the node completes from {needs / MiB:.0f} MiB, {(needs - limit - slots) / MiB:.0f} MiB "
                           f"above ComfyUI alone + slots" if needs else "the node did not complete below "
                           f"{(free.peak + 4 * slots) / MiB:.0f} MiB either")
@@ -434,11 +447,20 @@ def test_the_node_completes_at_comfyui_alones_own_limit(limit_servers, loader):
             pytest.fail("\n".join([head] + ours[-12:] + got.log.splitlines()[-15:]), pytrace=False)
         assert torch.equal(got.latent, free.latent), f"{loader}, run {run}: not ComfyUI alone's latent"
         assert "host memory is short" not in got.log, got.log[-3000:]
-        assert got.residents == 0, f"auto kept {got.residents} resident blocks: more loopback 'VRAM' than the slots"
+        if settings["resident_layers"] == -1:
+            assert got.residents == 0, f"auto kept {got.residents} resident blocks: more loopback 'VRAM' than the slots"
+        peaks.append(got.peak)
         run += 1
     assert servers.server.alive()
-    servers.say(f"[layerwise-offload] {loader}: {time.perf_counter() - started:.0f} s; {servers.starts} server "
-                f"start(s) so far ({servers.start_seconds:.0f} s)", summary=True)
+    servers.say(f"[layerwise-offload] {loader} ({settings_words(settings)}): {len(peaks)} of {RUNS} runs completed "
+                f"under {(limit + slots) / MiB:.0f} MiB, cgroup peaks {min(peaks) / MiB:.0f}-{max(peaks) / MiB:.0f} "
+                f"MiB; {time.perf_counter() - started:.0f} s; {servers.starts} server start(s) so far "
+                f"({servers.start_seconds:.0f} s)", summary=True)
+
+
+def settings_words(settings) -> str:
+    return "the node's defaults" if settings == DEFAULTS else ", ".join(
+        f"{key}={value}" for key, value in settings.items() if DEFAULTS[key] != value)
 
 
 # Not in the suite (about 8 minutes a loader): the node's own smallest limit against ComfyUI alone's, both searched
