@@ -366,8 +366,13 @@ class LayerwiseOffloadManager:
     def _release(self, index: int) -> None:
         if not self.states.materialized[index]:
             return
+        unwaited = self.states.take_pending(index)
         self._point_released(index)
         self.states.released(index)
+        if unwaited is not None and self.copier.transform is not None:
+            # Evicted before it ran: its after-copy transform may still write the slot on its own stream, and the
+            # slot's next copy waits only for the compute stream's mark. Order that mark after the transform.
+            self.backend.order_compute_after(unwaited)
         self.device_memory.give_back(index, self.backend.mark_compute)
 
     # ----------------------------------------------------------------- public release

@@ -54,6 +54,9 @@ class SyncBackend:
     def mark_compute(self):
         return None
 
+    def order_compute_after(self, handle: Optional[CopyHandle]) -> None:
+        pass
+
     def wait_host(self, handle: Optional[CopyHandle]) -> None:
         pass
 
@@ -136,6 +139,11 @@ class StreamBackend:
         """Block the host until the copy behind ``handle`` has finished (its source may then be changed)."""
         if handle is not None:
             handle.done.synchronize()
+
+    def order_compute_after(self, handle: Optional[CopyHandle]) -> None:
+        """Make the compute stream wait for ``handle`` (no stall is counted: no block waits to run on it)."""
+        if handle is not None:
+            self.module.current_stream(self.device).wait_event(handle.done)
 
     def mark_compute(self):
         event = self.module.Event()

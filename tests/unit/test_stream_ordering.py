@@ -23,18 +23,6 @@ SCENARIOS = [
 ]
 
 
-def known_fault_of_evicted_transforms(request, transform, order):
-    """A fault of the engine these checks found (reported, not fixed here): a block copied ahead of its run (a
-    prefetch the call order then contradicts, as in a reversed order) is evicted from its slot before it ran, so
-    nothing waited for its copy's handle; the next copy into that slot waits only for the compute stream's mark,
-    which does not follow the evicted block's after-copy transform on the transform stream. On a GPU that LoRA
-    math may still be writing the slot while the next block's bytes land in it."""
-    if transform and order == REVERSED:
-        request.applymarker(pytest.mark.xfail(
-            raises=CudaRuleBroken, strict=True,
-            reason="the copy into the slot of an evicted, never-run block does not wait for its transform"))
-
-
 @pytest.mark.parametrize("pinning", ["pinned", "pageable", "mixed"])
 @pytest.mark.parametrize("resident, prefetch, policy, order", SCENARIOS)
 def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(resident, prefetch, policy, order,
@@ -58,11 +46,10 @@ def test_no_block_reads_before_its_copy_and_no_copy_overwrites_a_pending_read(re
 
 @pytest.mark.parametrize("pinning", ["pinned", "pageable"])
 @pytest.mark.parametrize("resident, prefetch, policy, order", SCENARIOS[:4] + SCENARIOS[5:6])
-def test_an_after_copy_transform_runs_on_its_own_stream_before_the_block_reads(request, resident, prefetch, policy,
+def test_an_after_copy_transform_runs_on_its_own_stream_before_the_block_reads(resident, prefetch, policy,
                                                                                order, pinning):
     """A LoRA applied on the device: ordered after the copy, before the reads, never twice (the host keeps the
     untransformed weights, so three forwards give the same output as the halved reference)."""
-    known_fault_of_evicted_transforms(request, True, order)
     checked = run_checked(resident, prefetch, policy, order, pinning, transform=True)
     assert len(checked.transforms) == len(checked.cuda.uploads)  # once per copy, residents included
     assert {stream for _, _, stream in checked.transforms} == {"transform"}
@@ -150,10 +137,9 @@ def tail_cap():
 @pytest.mark.parametrize("transform", [False, True])
 @pytest.mark.parametrize("pinning", ["pinned", "pageable"])
 @pytest.mark.parametrize("resident, prefetch, policy, order", SCENARIOS[:4] + SCENARIOS[5:])
-def test_streamed_tails_are_ordered_like_whole_blocks(request, resident, prefetch, policy, order, pinning, transform):
+def test_streamed_tails_are_ordered_like_whole_blocks(resident, prefetch, policy, order, pinning, transform):
     """A streamed block that keeps its head reads two buffers: the head copied once at arming, the tail into its slot
     at every copy. No read before either copy (or its transform), no copy into either while the block runs."""
-    known_fault_of_evicted_transforms(request, transform, order)
     checked = run_checked(resident, prefetch, policy, order, pinning, transform=transform, tails=tail_cap())
     manager = checked.manager
     streamed = manager.schedule.streamed_blocks
@@ -167,11 +153,10 @@ def test_streamed_tails_are_ordered_like_whole_blocks(request, resident, prefetc
 @pytest.mark.parametrize("resident, prefetch, policy, order", [(0, 1, "leading", None), (5, 2, "strided", None),
                                                                (3, 1, "leading", REVERSED)])
 @pytest.mark.parametrize("tails", [0, 600])
-def test_weight_units_are_ordered_like_blocks(request, resident, prefetch, policy, order, pinning, transform, tails):
+def test_weight_units_are_ordered_like_blocks(resident, prefetch, policy, order, pinning, transform, tails):
     """Each module that owns weights streamed on its own (offload/units.py), whole or its tail (a Linear's bias): no
     unit reads before its copy or its transform, no copy lands in a unit's memory while it runs; the output after
     three forwards is the reference's (asserted by run_checked)."""
-    known_fault_of_evicted_transforms(request, transform, order)
     checked = run_checked(resident, prefetch, policy, order, pinning, transform=transform, tails=tails, units=True)
     assert checked.manager.num_blocks == 3 * 7
     if transform:
@@ -187,12 +172,10 @@ def test_other_regimes_keep_the_order(regime, resident, prefetch, policy, order)
     run_checked(resident, prefetch, policy, order, "mixed", transform=True, regime=regime)
 
 
-@pytest.mark.xfail(raises=CudaRuleBroken, strict=True,
-                   reason="engine fault (offload/manager.py, _release of a block evicted by DeviceMemory.acquire): "
-                          "the next copy into its slot waits for the compute stream only, not for its transform")
 def test_a_prefetch_evicted_before_it_ran_is_not_overwritten_under_its_transform():
     """The reversed order contradicts the prefetch of the first forward: blocks copied in (and transformed on the
     transform stream) ahead of their run are evicted unrun, and the next copy into their slot must come after their
-    transform as well as after the compute stream's last read. Today it raises "a copy to the device on the copy
-    stream may write the manager's device memory that aten.mul_.Tensor on the transform stream may still write"."""
+    transform as well as after the compute stream's last read. Before the fix it raised "a copy to the device on the
+    copy stream may write the manager's device memory that aten.mul_.Tensor on the transform stream may still
+    write"."""
     run_checked(2, 2, "leading", REVERSED, "pinned", transform=True)
