@@ -20,9 +20,9 @@ but *when* each one runs on the "GPU" is simulated:
 - **Devices**: a kernel that reads the manager's host copy of a block (its packed store) is a host tensor in a
   device computation (on CUDA: a device mismatch or a silent copy per call); the host writing host memory that a
   queued copy may still read is a fault; a ``non_blocking`` copy from pageable memory is synchronous (as CUDA makes
-  it) and listed in :attr:`CudaStandIn.pageable_async`. With ``pageable_done_at_return=False`` the host learns from
-  such a copy only that its source was consumed, not that the copy finished (CUDA's documented guarantee: the
-  driver stages the bytes and returns, the DMA to the device may still run).
+  it) and listed in :attr:`CudaStandIn.pageable_async`. The host learns from such a copy only that its source was
+  consumed, not that the copy finished (CUDA's documented guarantee: the driver stages the bytes and returns, the
+  DMA to the device may still run); ``pageable_done_at_return=True`` is the lenient model where it finished.
 - **What happened**, for tests to assert on: every ``wait_event`` as (waiting stream, event's stream) in
   :attr:`CudaStandIn.waits`, every copy to the device in :attr:`CudaStandIn.uploads` (:class:`Upload`).
 
@@ -309,7 +309,7 @@ class CudaStandIn:
 
     def __init__(self, h2d_bytes_per_ms: float = 25e6, flops_per_ms: float = 4e11, bytes_per_ms: float = 4e9,
                  d2d_bytes_per_ms: float = 2e9, host_call_ms: float = 0.001, strict: bool = True,
-                 stream_names: Iterable[str] = ("copy", "transform"), pageable_done_at_return: bool = True):
+                 stream_names: Iterable[str] = ("copy", "transform"), pageable_done_at_return: bool = False):
         self.host = Host(host_call_ms)
         self.h2d_bytes_per_ms = h2d_bytes_per_ms
         self.flops_per_ms = flops_per_ms
