@@ -228,7 +228,7 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
         every = (True,) * n
         usual = plan(every, f"host_store = disk; {reading(every)}")
         return usual if fits(usual) else plan(every, usual.reason, tight=True)
-    # The store aligns each tensor (host_store.ALIGNMENT_BYTES): its bytes exceed ComfyUI's by that padding alone.
+    # The store aligns each tensor (packing.ENTRY_ALIGNMENT_BYTES): its bytes exceed ComfyUI's by that padding alone.
     padding = sum(p for p, w in zip(padding_bytes or (0,) * n, waiting) if w)
 
     def as_comfyui_alone(candidate: TierPlan) -> bool:

@@ -31,6 +31,11 @@ ALIGNMENT_BYTES = 256
 # cudaHostRegister locks whole pages: a buffer that shared a page with a neighbour could be refused as
 # "already registered", or unlock the neighbour's page with its own.
 PAGE_BYTES = mmap.PAGESIZE
+# Every entry starts on a page of its own. A released block's parameters view the store, and ComfyUI run without the
+# node page-locks each weight it leaves in RAM on its own: a weight starting on a page another weight locked first
+# is refused as "already registered", and ComfyUI 0.3.75 leaves that error set for its next CUDA call to raise (seen
+# on an H200: its lowvram run after the node's). A page is a multiple of ALIGNMENT_BYTES, so cuBLASLt's holds too.
+ENTRY_ALIGNMENT_BYTES = max(ALIGNMENT_BYTES, PAGE_BYTES)
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,7 @@ def plan_layout(named_params: Sequence[Tuple[str, nn.Parameter]]) -> BlockLayout
         parts = weight_parts(name, param)
         rebuilds.append(parts.rebuild)
         pieces.extend((index, part, tensor) for part, tensor in parts.tensors)
-    # Every entry starts on ALIGNMENT_BYTES, whatever its dtype. A weight's parts (a quantized weight's data and scale)
+    # Every entry starts on ENTRY_ALIGNMENT_BYTES, whatever its dtype. A weight's parts (a quantized weight's data and scale)
     # sit side by side, and the largest weights come first: a streamed tail (a suffix of the buffer, see tail_sizes)
     # may begin at any weight and grows by the smallest steps.
     weight_bytes: Dict[int, int] = {}
@@ -201,7 +206,7 @@ def plan_layout(named_params: Sequence[Tuple[str, nn.Parameter]]) -> BlockLayout
         index, part, tensor = pieces[position]
         name, param = named_params[index]
         stride, span = _kept_stride(tensor)
-        offset = _align(offset)
+        offset = _align(offset, ENTRY_ALIGNMENT_BYTES)
         placed[position] = ParamEntry(f"{name}:{part}" if part else name, param, tuple(tensor.size()), stride,
                                       tensor.dtype, offset, span, part)
         offset += span * _itemsize(tensor.dtype)
@@ -211,7 +216,7 @@ def plan_layout(named_params: Sequence[Tuple[str, nn.Parameter]]) -> BlockLayout
     weights = tuple(
         WeightEntry(param, tuple(where[p] for p, piece in enumerate(pieces) if piece[0] == index), rebuilds[index])
         for index, (_, param) in enumerate(named_params))
-    return BlockLayout(entries, _align(offset), weights)
+    return BlockLayout(entries, _align(offset, ENTRY_ALIGNMENT_BYTES), weights)
 
 
 def allocate_host_buffer(nbytes: int) -> torch.Tensor:
