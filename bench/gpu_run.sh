@@ -38,6 +38,26 @@ PLAN=(
     "dyn033_flux 60 033 dynamic --preset flux --takeover"
     "lora_075    40 075 lora --preset wan21_14b"
 )
+# Not in the default plan (it must fit 420 s); ONLY names steps of either list to run just those, in that order:
+#   ONLY="s033_flux dyn033_flux fp8_033" bash bench/gpu_run.sh
+EXTRA=(
+    "fp8_033     50 033 fp8 --preset wan21_14b"
+    "s033_wan    45 033 sidebyside --preset wan21_14b"
+    "dyn033_wan  45 033 dynamic --preset wan21_14b --takeover"
+)
+if [[ -n "${ONLY:-}" ]]; then
+    chosen=()
+    for want in $ONLY; do
+        found=""
+        for entry in "${PLAN[@]}" "${EXTRA[@]}"; do
+            read -r name _ <<<"$entry"
+            [[ "$name" == "$want" ]] && found="$entry"
+        done
+        [[ -n "$found" ]] || { echo "[gpu_run] ONLY names $want, which no step is"; exit 4; }
+        chosen+=("$found")
+    done
+    PLAN=("${chosen[@]}")
+fi
 planned=$(( SETUP_S + RESERVE_S ))
 for entry in "${PLAN[@]}"; do read -r _ cap _ <<<"$entry"; planned=$(( planned + cap )); done
 

@@ -236,6 +236,7 @@ class GpuHarness(Harness):
         self.act_reserve = 0
         self.compute_ms: object = ""
         self.block_ms: List[object] = []  # each block's compute in the full load (CUDA events): the model's input
+        self.explained = False  # a mismatch with the full load was explained in this step
         self._controller = None  # the last run's controller, until its setting is read
 
     def _offload(self, resident, prefetch, policy):
@@ -373,7 +374,70 @@ class GpuHarness(Harness):
                 clock.remove()
         if mode == "layerwise_auto" and not row["error"]:
             self.auto_ms[label] = float(row["step_ms"])
+        if not row["error"] and row["bitwise_equal_full"] is False and not self.explained:
+            self.explained = True  # once a step: it reruns both models
+            try:
+                self.explain_mismatch(resident, prefetch, policy, budget if ballast else None)
+            except Exception as error:  # noqa: BLE001 - an explanation that fails is logged, not fatal
+                log(f"explaining the mismatch failed: {type(error).__name__}: {error}")
         return row
+
+    def explain_mismatch(self, resident: int, prefetch: int, policy: str, budget: Optional[int]) -> None:
+        """One step of the full load and of this setting, every leaf module's first call recorded: the first module
+        whose input is bitwise the same and whose output is not is where the two differ. A row in preflight.csv
+        names it, with its weight's alignment and strides in both runs."""
+        def record(patcher, into):
+            model = patcher.get_model_object("diffusion_model")
+            handles = []
+            for name, module in model.named_modules():
+                if next(module.children(), None) is not None:
+                    continue
+
+                def hook(module, args, output, name=name):
+                    if name in into or not args or not isinstance(args[0], torch.Tensor):
+                        return
+                    weight = getattr(module, "weight", None)
+                    shape = "" if weight is None else (
+                        f"{type(weight).__name__} {tuple(weight.shape)} stride {tuple(weight.stride())} "
+                        f"at {weight.data_ptr() % 4096} mod 4096, {weight.device}")
+                    into[name] = (args[0].detach().clone(), output.detach().clone()
+                                  if isinstance(output, torch.Tensor) else None, type(module).__name__, shape)
+                handles.append(module.register_forward_hook(hook))
+            return handles
+
+        full, mine = {}, {}
+        self._fresh()
+        handles = record(self.patcher, full)
+        try:
+            with torch.inference_mode():
+                self.presets.sample(self.patcher, self.preset, seed=self.config.seed, steps=1)
+        finally:
+            for handle in handles:
+                handle.remove()
+        self._fresh()
+        with Ballast(self.device, budget):
+            patcher = self._offload(resident, prefetch, policy)
+            handles = record(patcher, mine)
+            try:
+                with torch.inference_mode():
+                    self.presets.sample(patcher, self.preset, seed=self.config.seed, steps=1)
+            finally:
+                for handle in handles:
+                    handle.remove()
+                self._unload(patcher)
+        note = "no leaf module differs on its first call"
+        for name, (inp, out, kind, weight) in full.items():
+            other = mine.get(name)
+            if other is None or out is None or other[1] is None:
+                continue
+            if torch.equal(inp, other[0]) and not torch.equal(out, other[1]):
+                diff = (out.float() - other[1].float()).abs().max().item()
+                note = (f"{name} ({kind}): same input, output differs by {diff:.3g}; full load weight {weight}; "
+                        f"this pack's {other[3]}")
+                break
+        log(f"first difference: {note}")
+        self.tables["preflight"].add(comfyui=self.comfyui, name=f"first_difference_{self.step}", value="",
+                                     unit="", note=note[:600])
 
 
 # ----------------------------------------------------------------------------------------------- the ComfyUI steps

@@ -144,11 +144,37 @@ def build(preset: "Preset | str", seed: int = 0, dtype: Optional[torch.dtype] = 
     model_config.set_inference_dtype(dtype or preset.dtype, None)
     load_device = mm.get_torch_device()
     offload_device = mm.unet_offload_device()
-    model = model_config.get_model({}, "").to(offload_device)
+    with _ordinary_modules():
+        model = model_config.get_model({}, "").to(offload_device)
     init_random_weights(model.diffusion_model, seed, load_device)
     model.eval()
     patcher_class = patcher_class or model_patcher.ModelPatcher
+    if issubclass(patcher_class, getattr(model_patcher, "ModelPatcherDynamic", ())):
+        # Dynamic VRAM's modules take their weights from a state dict at load (comfy.sd does the same), so the
+        # random weights are handed over as one.
+        weights = model.diffusion_model.state_dict()
+        model = model_config.get_model({}, "")
+        patcher = patcher_class(model, load_device=load_device, offload_device=offload_device)
+        model.diffusion_model.load_state_dict(weights, strict=False, assign=True)  # as comfy.sd loads it
+        model.eval()
+        return patcher
     return patcher_class(model, load_device=load_device, offload_device=offload_device)
+
+
+class _ordinary_modules:
+    """ComfyUI 0.33+ with comfy-aimdo builds its layers without weights, to be filled from a state dict at load
+    (``comfy.memory_management.aimdo_enabled``); random weights need them built as ordinary layers."""
+
+    def __enter__(self):
+        self.memory = sys.modules.get("comfy.memory_management")
+        self.enabled = getattr(self.memory, "aimdo_enabled", False)
+        if self.enabled:
+            self.memory.aimdo_enabled = False
+        return self
+
+    def __exit__(self, *exc):
+        if self.enabled:
+            self.memory.aimdo_enabled = True
 
 
 def conditioning(preset: "Preset | str", seed: int = 0):

@@ -214,3 +214,30 @@ def test_dynamic_vram_bytes_count_only_modules_that_moved(monkeypatch):
     assert comfy.ops.cast_modules_with_vbar is vbar_cast  # put back
     assert counter.bytes >= (64 * 32 + 32) * 4 and counter.bytes < (64 * 32 + 32) * 4 + 4096  # aligned, once
     assert counter.resident_bytes >= 2 * 16 * 8 * 4  # kept twice, moved nothing
+
+
+def test_a_mismatch_with_the_full_load_is_traced_to_its_first_module(tmp_path, monkeypatch):
+    """When a run of the pack is not bitwise with the full load, the GPU run reruns one step of each and names the
+    first leaf module that got the same input and gave another output (on the CPU here: a module made to differ)."""
+    from types import SimpleNamespace
+    from layerwise_offload.bench.gpu_tables import State
+    monkeypatch.setenv("LAYERWISE_OFFLOAD_CPU_LOOPBACK", "1")
+    args = SimpleNamespace(preset="tiny_wan", dry_run=True, steps=3, step_name="trace")
+    tables = {name: Table(tmp_path, name) for name in TABLES}
+    h = gpu_steps.make_harness(args, State(tmp_path / "work"), tables)
+    try:
+        h.full()
+        offload = h._offload
+
+        def offload_with_a_different_module(*a):
+            patcher = offload(*a)
+            ffn = patcher.get_model_object("diffusion_model").blocks[1].ffn[0]
+            ffn.register_forward_hook(lambda module, args, output: output + 1)
+            return patcher
+        monkeypatch.setattr(h, "_offload", offload_with_a_different_module)
+        row = h.layerwise(0, 1, "leading", "device", None, mode="layerwise", ballast=False)
+        assert row["bitwise_equal_full"] is False
+    finally:
+        h.teardown()
+    notes = [r for r in tables["preflight"].rows() if r["name"] == "first_difference_trace"]
+    assert len(notes) == 1 and notes[0]["note"].startswith("blocks.1.ffn.0 (Linear): same input, output differs")
