@@ -220,12 +220,13 @@ def plan_layout(named_params: Sequence[Tuple[str, nn.Parameter]]) -> BlockLayout
 
 
 def allocate_host_buffer(nbytes: int) -> torch.Tensor:
-    """A pageable uint8 host buffer of exactly ``nbytes`` that starts on a page and owns every page it touches
-    (its allocation is padded to whole pages on both sides); page-locking is the store's pin ledger's job."""
-    padded = _align(max(nbytes, 1), PAGE_BYTES)
-    raw = torch.empty(padded + PAGE_BYTES, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % PAGE_BYTES
-    return raw[start:start + nbytes]
+    """A pageable uint8 host buffer of exactly ``nbytes`` that owns every page it touches, its storage starting on
+    the first: torch's ``is_pinned()`` asks about a storage's first byte, so a view of a buffer whose pages are
+    page-locked reads as pinned, and ComfyUI, which page-locks the weights it leaves in RAM unless they read as
+    pinned, does not try again what is locked (refused as "already registered" on an H200). Anonymous pages of their
+    own, returned to the OS when the buffer is freed; page-locking is the store's pin ledger's job."""
+    pages = mmap.mmap(-1, _align(max(nbytes, 1), PAGE_BYTES))
+    return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes]
 
 
 def _packed_sources(layout: BlockLayout) -> List[torch.Tensor]:

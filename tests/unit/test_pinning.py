@@ -255,24 +255,31 @@ def test_every_block_of_a_small_model_gets_its_own_pages(fake_cuda, sample_input
 
 
 @pytest.mark.parametrize("order", ["module", "reversed"])
-def test_comfyui_pinning_each_released_weight_is_never_refused(fake_cuda, sample_input, order):
+@pytest.mark.parametrize("resident", [0, 3, 7])
+def test_comfyui_pinning_each_released_weight_is_never_refused(fake_cuda, order, resident):
     """ComfyUI run without the node on the same model (0.3.75's lowvram load) page-locks each weight it leaves in RAM
-    on its own, after an ``is_pinned()`` check of the weight's first byte. Released weights view the store, so two
-    weights on one page would be refused as already registered, an error 0.3.75 leaves set for its next CUDA call
-    (seen on an H200). Every entry starts on a page of its own: in any order, none is refused."""
+    on its own, unless ``tensor.is_pinned()``, which asks about the first byte of the tensor's storage. Released
+    weights view the store, whose streamed blocks this pack has page-locked: a weight of a locked buffer must read as
+    pinned, and two weights of a pageable one must not share a page, or CUDA refuses one as already registered, an
+    error 0.3.75 leaves set for its next CUDA call (both seen on an H200)."""
+    from layerwise_offload.offload.memory.pinning import CudaHostRegisterPinner
     model = ToyTransformer(dim=20, hidden=44)  # weights of 1600 and 3520 bytes: entries straddle page boundaries
-    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=7,
-                                      released_params="host")  # residents' host copies stay pageable
+    manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=resident,
+                                      released_params="host", pin_memory=True,
+                                      environment=HostEnvironment(pinner=CudaHostRegisterPinner(),
+                                                                  available_host_bytes=lambda: 64 * GiB))
     with torch.no_grad():
         model(torch.randn(1, 3, 20))
     manager.release_all()
+    assert sum(manager.store.pinned) == 7 - resident  # the streamed blocks' host copies are page-locked
     params = [p for block in model.blocks_in_call_order() for p in block.parameters()]
     host = {v.data_ptr() for i in range(manager.num_blocks) for v in manager.store.views(i)}
     assert {p.data_ptr() for p in params} <= host  # the released blocks view the store
-    locked = set()
+
+    def is_pinned(tensor):  # torch: isPinnedPtr(storage.data()), a registered page
+        return tensor.untyped_storage().data_ptr() // fake_cuda.PAGE in fake_cuda.pages
     for param in (params if order == "module" else params[::-1]):
-        if param.data_ptr() // 4096 in locked:  # ComfyUI's guard: tensor.is_pinned() of its first byte
+        if is_pinned(param):
             continue
         assert fake_cuda.cudaHostRegister(param.data_ptr(), param.numel() * param.element_size(), 1) == 0
-        locked.update(fake_cuda._pages(param.data_ptr(), param.numel() * param.element_size()))
     assert fake_cuda.last_error == 0
