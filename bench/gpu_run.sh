@@ -30,10 +30,10 @@ WORK="${WORK:-/tmp/lwo_gpu}"
 # The side-by-side rows (this pack against ComfyUI at equal VRAM) come first in each step, the sweep after them.
 # --takeover: the node on 0.33.0's dynamic patcher with comfy-aimdo started.
 PLAN=(
-    "smoke       25 075 smoke --preset tiny"
+    "smoke       40 075 smoke --preset tiny"
     "preflight   25 075 preflight"
     "s075_flux   85 075 sidebyside --preset flux --lowvram --weights --sweep"
-    "s075_wan    85 075 sidebyside --preset wan21_14b --lowvram --sweep"
+    "s075_wan    70 075 sidebyside --preset wan21_14b --lowvram --sweep"
     "s033_flux   40 033 sidebyside --preset flux"
     "dyn033_flux 60 033 dynamic --preset flux --takeover"
     "lora_075    40 075 lora --preset wan21_14b"
