@@ -41,9 +41,11 @@ def test_bytes_per_forward_are_the_streamed_blocks_stored_bytes(result):
         assert row["streamed_blocks"] == 4 - row["resident"]
         # What the counters saw moved is exactly what the layout packs for the streamed blocks ...
         assert row["h2d_bytes_per_forward"] == row["streamed_bytes_per_forward"], row
-        # ... which is the weights' stored parts plus alignment padding, never their dequantized size.
+        # ... which is the weights' stored parts plus alignment padding, never their dequantized size. Each tensor
+        # starts on a page of its own (offload/host/packing.py): a tiny block's tensors (an fp8 weight's scale too)
+        # pad it by up to 12 % here, a real block's by well under 1 %.
         stored = row["streamed_stored_bytes"]
-        assert stored <= row["streamed_bytes_per_forward"] < stored * 1.01, row
+        assert stored <= row["streamed_bytes_per_forward"] < stored * 1.15, row
     ratio = {(r["format"], r["resident"]): r["vs_bf16"] for r in rows if r["mode"] == "layerwise"}
     for resident in RESIDENTS:
         assert ratio["bf16", resident] == 1.0
