@@ -12,8 +12,8 @@ each of those takes follows from bytes, FLOPs and a GPU's published figures. Thi
    stream is current when they run, and an after-copy transform (a LoRA applied on the device, if asked for) logs
    itself the same way. Nothing of the schedule is written down here: change the manager's order and the trace
    changes with it.
-   (The same idea as the vector-clock stand-in of ``tests/unit/test_stream_ordering.py``, which checks the order
-   for races; here the order is kept and timed.)
+   (The tests' CUDA stand-in, ``tests/cuda_standin.py``, checks the same order for races and CUDA's rules; here the
+   order is kept and timed.)
 2. **Simulation** (:func:`simulate`). The trace is replayed as CUDA runs it: one host thread issues every
    operation in trace order (paying a host cost for some), each stream runs its work first in, first out, an
    event completes when the work queued before it on its stream has, ``wait_event`` holds a stream until then,
