@@ -4,6 +4,8 @@ this and over :func:`nodes.controller.offload_model`, the node's work."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Optional, Tuple
 
 from ..offload import DISK_DIR_ENV, HOST_STORES, POLICIES, disk_tier_unsupported, remove_stale_files
 from .discovery import SUPPORTED_FAMILIES
@@ -49,6 +51,34 @@ DEFAULTS = {"resident_layers": AUTO_RESIDENT, "prefetch_size": 1, "residency_pol
 MAX_RESIDENT_LAYERS = 4096
 MAX_PREFETCH = 64
 MIN_RESIDENT_LAYERS = AUTO_RESIDENT
+
+
+@dataclass(frozen=True)
+class NodeInput:
+    """One input of the node, declared once; nodes/v1.py and nodes/v3.py each write it in their schema's form."""
+
+    name: str
+    kind: str  # MODEL, INT, BOOLEAN or COMBO
+    default: object = None
+    minimum: Optional[int] = None
+    maximum: Optional[int] = None
+    options: Tuple[str, ...] = ()
+    # Optional: API prompts written before the input existed still validate, with its default.
+    optional: bool = False
+
+    @property
+    def tooltip(self) -> str:
+        return TOOLTIPS[self.name]
+
+
+INPUTS = (
+    NodeInput("model", "MODEL"),
+    NodeInput("resident_layers", "INT", DEFAULTS["resident_layers"], MIN_RESIDENT_LAYERS, MAX_RESIDENT_LAYERS),
+    NodeInput("prefetch_size", "INT", DEFAULTS["prefetch_size"], 1, MAX_PREFETCH),
+    NodeInput("residency_policy", "COMBO", DEFAULTS["residency_policy"], options=NODE_POLICIES),
+    NodeInput("pin_memory", "BOOLEAN", DEFAULTS["pin_memory"]),
+    NodeInput("host_store", "COMBO", DEFAULTS["host_store"], options=tuple(HOST_STORES), optional=True),
+)
 
 STATS_NODE_ID = "LayerwiseOffloadStats"
 STATS_DISPLAY_NAME = "Layerwise Offload Stats"
@@ -97,5 +127,6 @@ def remove_stale_disk_files() -> int:
     return remove_stale_files(chosen) if chosen else 0
 
 
-__all__ = ["offload_stats", "stats_ui", "residency_policy_problem", "host_store_problem", "HOST_STORES", "NODE_ID", "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS",
-           "POLICIES", "NODE_POLICIES", "AUTO_POLICY", "WEIGHTS_POLICY", "AUTO_RESIDENT", "CPU_LOOPBACK_ENV"]
+__all__ = ["offload_stats", "stats_ui", "residency_policy_problem", "host_store_problem", "HOST_STORES", "NODE_ID",
+           "DISPLAY_NAME", "CATEGORY", "DESCRIPTION", "TOOLTIPS", "DEFAULTS", "INPUTS", "NodeInput", "POLICIES",
+           "NODE_POLICIES", "AUTO_POLICY", "WEIGHTS_POLICY", "AUTO_RESIDENT", "CPU_LOOPBACK_ENV"]

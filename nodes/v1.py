@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
-                           MIN_RESIDENT_LAYERS, NODE_ID, NODE_POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, stats_ui)
+from .offload_node import (CATEGORY, DESCRIPTION, DISPLAY_NAME, INPUTS, NODE_ID, STATS_DESCRIPTION, STATS_DISPLAY_NAME,
+                           STATS_NODE_ID, STATS_TOOLTIPS, NodeInput, host_store_problem, stats_ui)
 from .controller import offload_model
 from .loader import (LOADER_CATEGORY, LOADER_DESCRIPTION, LOADER_DISPLAY_NAME, LOADER_NODE_ID, LOADER_TOOLTIPS,
                      WEIGHT_DTYPES, diffusion_model_names, load_layerwise)
+
+
+def v1_input(spec: NodeInput) -> tuple:
+    """``spec`` in the V1 form: (type, options), a combo's type being its list of choices."""
+    options = {"tooltip": spec.tooltip}
+    if spec.default is not None:
+        options["default"] = spec.default
+    if spec.minimum is not None:
+        options.update(min=spec.minimum, max=spec.maximum)
+    return (list(spec.options) if spec.kind == "COMBO" else spec.kind, options)
 
 
 class LayerwiseOffloadV1:
@@ -18,18 +27,8 @@ class LayerwiseOffloadV1:
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {
-            "model": ("MODEL", {"tooltip": TOOLTIPS["model"]}),
-            "resident_layers": ("INT", {"default": DEFAULTS["resident_layers"], "min": MIN_RESIDENT_LAYERS, "max": MAX_RESIDENT_LAYERS,
-                                        "tooltip": TOOLTIPS["resident_layers"]}),
-            "prefetch_size": ("INT", {"default": DEFAULTS["prefetch_size"], "min": 1, "max": MAX_PREFETCH,
-                                      "tooltip": TOOLTIPS["prefetch_size"]}),
-            "residency_policy": (list(NODE_POLICIES), {"default": DEFAULTS["residency_policy"],
-                                                  "tooltip": TOOLTIPS["residency_policy"]}),
-            "pin_memory": ("BOOLEAN", {"default": DEFAULTS["pin_memory"], "tooltip": TOOLTIPS["pin_memory"]}),
-        }, "optional": {  # optional: API prompts written before it existed still validate (default: auto)
-            "host_store": (list(HOST_STORES), {"default": DEFAULTS["host_store"], "tooltip": TOOLTIPS["host_store"]}),
-        }}
+        return {"required": {spec.name: v1_input(spec) for spec in INPUTS if not spec.optional},
+                "optional": {spec.name: v1_input(spec) for spec in INPUTS if spec.optional}}
 
     @classmethod
     def VALIDATE_INPUTS(cls, host_store=None):

@@ -6,9 +6,8 @@ import functools
 
 from comfy_api.latest import ComfyExtension, io
 
-from .offload_node import (CATEGORY, DEFAULTS, DESCRIPTION, DISPLAY_NAME, MAX_PREFETCH, MAX_RESIDENT_LAYERS,
-                           MIN_RESIDENT_LAYERS, NODE_ID, NODE_POLICIES, STATS_DESCRIPTION, STATS_DISPLAY_NAME, STATS_NODE_ID,
-                           STATS_TOOLTIPS, TOOLTIPS, HOST_STORES, host_store_problem, stats_ui)
+from .offload_node import (CATEGORY, DESCRIPTION, DISPLAY_NAME, INPUTS, NODE_ID, STATS_DESCRIPTION, STATS_DISPLAY_NAME,
+                           STATS_NODE_ID, STATS_TOOLTIPS, NodeInput, host_store_problem, stats_ui)
 from .controller import offload_model
 from .loader import (LOADER_CATEGORY, LOADER_DESCRIPTION, LOADER_DISPLAY_NAME, LOADER_NODE_ID, LOADER_TOOLTIPS,
                      WEIGHT_DTYPES, diffusion_model_names, load_layerwise)
@@ -39,6 +38,20 @@ def _combo(*args, **kwargs) -> io.Combo.Input:
     return (io.Combo.Input if core_checks_v3_combos() else _ListTypedCombo)(*args, **kwargs)
 
 
+def v3_input(spec: NodeInput):
+    """``spec`` in the V3 form. ComfyUI checks residency_policy's value itself (on 0.3.75 only in the V1 form, see
+    :func:`_combo`); host_store is checked by ``validate_inputs``, where the disk tier's availability is known."""
+    common = dict(tooltip=spec.tooltip, optional=spec.optional)
+    if spec.kind == "MODEL":
+        return io.Model.Input(spec.name, **common)
+    if spec.kind == "INT":
+        return io.Int.Input(spec.name, default=spec.default, min=spec.minimum, max=spec.maximum, **common)
+    if spec.kind == "BOOLEAN":
+        return io.Boolean.Input(spec.name, default=spec.default, **common)
+    combo = io.Combo.Input if spec.optional else _combo
+    return combo(spec.name, options=list(spec.options), default=spec.default, **common)
+
+
 class LayerwiseOffload(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
@@ -47,20 +60,7 @@ class LayerwiseOffload(io.ComfyNode):
             display_name=DISPLAY_NAME,
             category=CATEGORY,
             description=DESCRIPTION,
-            inputs=[
-                io.Model.Input("model", tooltip=TOOLTIPS["model"]),
-                io.Int.Input("resident_layers", default=DEFAULTS["resident_layers"], min=MIN_RESIDENT_LAYERS, max=MAX_RESIDENT_LAYERS,
-                             tooltip=TOOLTIPS["resident_layers"]),
-                io.Int.Input("prefetch_size", default=DEFAULTS["prefetch_size"], min=1, max=MAX_PREFETCH,
-                             tooltip=TOOLTIPS["prefetch_size"]),
-                # ComfyUI checks this one's value itself (on 0.3.75 in the V1 form): not named in validate_inputs.
-                _combo("residency_policy", options=list(NODE_POLICIES), default=DEFAULTS["residency_policy"],
-                       tooltip=TOOLTIPS["residency_policy"]),
-                io.Boolean.Input("pin_memory", default=DEFAULTS["pin_memory"], tooltip=TOOLTIPS["pin_memory"]),
-                # Optional: API prompts written before it existed still validate (default: auto).
-                io.Combo.Input("host_store", options=list(HOST_STORES), default=DEFAULTS["host_store"],
-                               tooltip=TOOLTIPS["host_store"], optional=True),
-            ],
+            inputs=[v3_input(spec) for spec in INPUTS],
             outputs=[io.Model.Output(tooltip="The same model with its transformer blocks offloaded.")],
         )
 
