@@ -479,7 +479,9 @@ def test_measure_what_the_node_adds_over_comfyui_alone_and_its_slots(limit_serve
     servers.limits.pop(loader, None)
     alone, free = comfyui_alone_limit(servers, loader)
     slots = 2 * servers.block[loader]
-    needs = node_limit(servers, loader, alone + slots - 64 * MiB, free.peak + 4 * slots)
+    # From alone's own limit: blocks the tier plan sends to disk free RAM the slots can then take, so the node may
+    # need less than alone + the slots.
+    needs = node_limit(servers, loader, alone, free.peak + 4 * slots)
     assert needs is not None, f"{loader}: the node did not complete below {(free.peak + 4 * slots) / MiB:.0f} MiB"
     added = needs - alone - slots
     servers.say(f"[layerwise-offload] {loader}: ComfyUI alone {alone / MiB:.0f} MiB (the server {free.before / MiB:.0f} "
