@@ -288,8 +288,12 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     if not best.disk_blocks and not why:
         return best
     free_after = best.free_after()
-    forced_words = (f"RAM short: {forced} blocks must go to disk to leave {min(floor, margin) / 2**20:.0f} MiB "
-                    f"free" if forced else "")
+    kept_free = min(floor, margin)
+    forced_words = ("" if not forced else
+                    f"RAM short: {forced} blocks must go to disk to leave {kept_free / 2**20:.0f} MiB free"
+                    if free_after >= kept_free else
+                    f"RAM short: {forced} blocks must go to disk for the plan to fit (less than the "
+                    f"{kept_free / 2**20:.0f} MiB auto keeps free where it can)")
     beside = (f" beside the {device_share / 2**20:.0f} MiB the CPU loopback's slots and residents take"
               if device_share else "")
     head = (f"host RAM: {available / 2**20:.0f} MiB available, {free_after / 2**20:.0f} MiB left{beside} with "
