@@ -5,9 +5,11 @@ declaration (defaults; a second tiny model for a second MODEL input; a ratio at 
 it, so a merge really merges), each small choice (a COMBO option, a flipped BOOLEAN) a variant of its own. A node
 whose inputs cannot be made here (a file, a CLIP, a LATENT) or that fails without the offload node is listed with
 the reason. Each variant is sampled from fresh tiny models: the node alone (the reference), the node before the
-offload node and after it, streamed and all resident; the outputs must be bitwise equal.
+offload node and after it, streamed and all resident, and (``--plans``; the test suite's release set) under the plans
+chosen at the run's first step from a budget smaller than the blocks: streamed tails and weight units; the outputs
+must be bitwise equal.
 
-    python -P devtools/core_model_nodes.py --family wan21     # prints the matrix (with ComfyUI's Python)
+    python -P devtools/core_model_nodes.py --family wan21 [--plans]    # prints the matrix (with ComfyUI's Python)
 """
 
 from __future__ import annotations
