@@ -198,9 +198,9 @@ def _trade_tails(tails: List[int], tail_options: Sequence[Sequence[int]], stream
                  excess: int) -> int:
     """Stream less where the tails cover the deficit by ``excess`` more than needed: lower ``a`` tails that step
     down by the same bytes ``d`` and raise ``b`` tails that step up by ``e``, for the largest gain
-    ``a*d - b*e <= excess`` (a weight streams whole or not at all, so a single tail rarely fits the excess: Wan's
-    FFN weights are 2.7 times its attention's, and lowering one FFN weight while raising two attention weights
-    frees 37 MB). Repeats while something is gained; returns the excess left. ``tails`` changes in place."""
+    ``a*d - b*e <= excess`` (a weight streams whole or not at all, so a single tail rarely fits the excess, while
+    lowering one large weight and raising two smaller ones can). Repeats while something is gained; returns the
+    excess left. ``tails`` changes in place."""
     streamed = list(streamed)
     while excess > 0:
         down: dict = {}
