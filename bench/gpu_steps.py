@@ -12,7 +12,7 @@ memory), then at each budget B (fractions f: non-block weights + f x the blocks 
 + 1.5 GiB, held free by a ``Ballast``) ComfyUI's own offloading (``--lowvram``) and this pack at its defaults, then
 (``--sweep``) every resident count 0..N in steps (:func:`sweep_counts`), with the whole device and the node's
 defaults for policy and prefetch, each beside the timing model's prediction for the setting that ran (the replay of
-offload/timing_model.py fed this GPU's measured per-block compute and copy rate) and with its per-block CUDA-event
+offload/timing/ fed this GPU's measured per-block compute and copy rate) and with its per-block CUDA-event
 timeline (``timeline.csv``). ``<work>/state/`` hands the reference and budgets to the 0.33.0 ``dynamic`` process,
 which starts comfy-aimdo in ComfyUI's order (its state is global: a process of its own) and counts the bytes dynamic
 VRAM really moves (:class:`VbarCastCounter`).
@@ -173,11 +173,12 @@ def sweep_counts(num_blocks: int, runs: int = 7) -> List[int]:
 
 def predict_setting(block_nbytes: Sequence[int], block_ms: Sequence[float], compute_ms: float, gbps: float,
                     resident: int, policy: str, prefetch: int, tails: Optional[Sequence[int]] = None):
-    """The timing model's replay of the manager's schedule (offload/timing_model.py) for this setting, timed with
+    """The timing model's step (offload/timing/step.py) for this setting, timed with
     what this GPU measured: each block's compute from the full load's CUDA events, the rest of the full step as the
     work outside the blocks, the copy rate of registered memory. None without those figures. The host regime is the
     bench's: it synchronises once, at the end of step 1 (StepClock), and runs ahead of the GPU after that."""
-    from ..offload import timing_model as tm
+    from ..offload.timing import costs as tm
+    from ..offload.timing.step import predict
     if not block_ms or "" in block_ms or not gbps or compute_ms in ("", None):
         return None
     block_s = [float(ms) / 1e3 for ms in block_ms]
@@ -186,7 +187,7 @@ def predict_setting(block_nbytes: Sequence[int], block_ms: Sequence[float], comp
                      source="the full load's per-block CUDA events and the preflight's registered copy rate")
     costs = tm.ModelCosts(tuple(int(n) for n in block_nbytes), tuple(block_s),  # 1 "FLOP" a second here
                           outside_flops=max(0.0, float(compute_ms) / 1e3 - sum(block_s)))
-    return tm.predict(costs, gpu, int(resident), policy, int(prefetch), sync_each_step=False, tails=tails)
+    return predict(costs, gpu, int(resident), policy, int(prefetch), sync_each_step=False, tails=tails)
 
 
 class BlockClock:

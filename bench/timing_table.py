@@ -1,8 +1,9 @@
 """The timing model's table: predicted step time vs the bound for every template, resident count, policy and
-prefetch depth on four reference GPUs (offload/timing_model.py predicts; the .md it writes says how and on what).
+prefetch depth on four reference GPUs (offload/timing/ predicts; the .md it writes says how and on what).
 
     .venv/bin/python -P bench/timing_table.py              # -> bench/results/timing_model.{csv,md,png}
     .venv/bin/python -P bench/timing_table.py --out /tmp/x --templates flux1_dev --gpus "RTX 4090 24GB"
+    .venv/bin/python -P bench/timing_table.py --replay     # also choose by replaying the real manager: agreement
 
 Per template (devtools/template_memory.py's list, block bytes from devtools/template_plans.json), FLOPs per block
 are COUNTED, not derived: ComfyUI's own class at the released dimensions, one block per block list
@@ -15,10 +16,11 @@ double-stream blocks up to 2.6x: whoever feeds the engine FLOPs should count. fp
 bf16 every forward (``stored + 2 x weights`` bytes of device-memory traffic); LoRA rows apply ComfyUI's float32
 LoRA math on a stream of its own (about 28 bytes of traffic per weight) at every streamed copy.
 
-Rows: every resident count 0..N, every setting of ``timing_model.SETTINGS`` (leading and strided at prefetch 1-4,
+Rows: every resident count 0..N, every setting of ``offload.timing.choice.SETTINGS`` (leading and strided at prefetch 1-4,
 leading at 6, 8, 12, 16; LoRA rows prefetch 1). ``fits``: the plan
 (residents + slots + non-block weights + activations + ComfyUI's reserve + 0.5 GiB context) fits the card;
-``auto``: the count the planner picks there. About 20 minutes on the project's shared 2-core machine.
+``auto``: the count the planner picks there. ``--replay``: auto's choice made again by replaying the real
+manager (bench/timing_replay.py), the agreement and the host seconds of each in the .md.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ from .activation_memory import FAMILIES, flash_like_attention, meta_forward  # n
 from .measure import RESULTS  # noqa: E402
 from ..devtools import comfy_env, template_memory  # noqa: E402
 from ..offload import Schedule, choose_resident_blocks, planner  # noqa: E402
-from ..offload import timing_model as tm  # noqa: E402
-from ..offload.plan_choice import CLOSE_STEP, choose_plan  # noqa: E402
-from ..offload.timing_model import SETTINGS  # noqa: E402
+from ..offload.timing import costs as tm  # noqa: E402
+from ..offload.timing.choice import CLOSE_STEP, SETTINGS, choose_plan  # noqa: E402
+from ..offload.timing.step import predict  # noqa: E402
+from . import timing_replay  # noqa: E402
 
 FIELDS = ("GPU", "template", "resident_count", "policy", "chosen", "prefetch", "predicted_step_ms", "bound_ms", "ratio",
           "copy_idle_ms", "compute_stall_ms", "compute_ms", "copy_ms", "host_ms", "lora", "fits", "auto",
@@ -77,7 +80,7 @@ GB = 10 ** 9
 class TemplateCosts:
     key: str
     name: str
-    costs: object  # offload.timing_model.ModelCosts
+    costs: object  # offload.timing.costs.ModelCosts
     lora_costs: object
     lists: Tuple[int, ...]  # blocks per block list, in call order
     list_flops: Tuple[float, ...]  # counted FLOPs of one block of each list
@@ -188,7 +191,7 @@ def auto_resident(tc: TemplateCosts, gpu, plans) -> int:
     return plan.resident_count if plan.fits else -1
 
 
-def rows_for(tc: TemplateCosts, gpu, plans) -> List[dict]:
+def rows_for(tc: TemplateCosts, gpu, plans, check=None) -> List[dict]:
     n = tc.costs.num_blocks
     auto = auto_resident(tc, gpu, plans)
     fixed = plans["context_and_desktop_bytes"] + plans["comfy_reserve_bytes"] + tc.non_block_bytes + tc.activation_bytes
@@ -199,12 +202,15 @@ def rows_for(tc: TemplateCosts, gpu, plans) -> List[dict]:
         fitting = [(policy, prefetch, r) for policy, prefetch in SETTINGS
                    if Schedule(choose_resident_blocks(n, r, policy)).device_bytes(tc.costs.block_bytes, prefetch)
                    + fixed <= gpu.vram_bytes]
-        choice = choose_plan(tc.costs, gpu, fitting or [(policy, prefetch, r) for policy, prefetch in SETTINGS])
+        candidates = fitting or [(policy, prefetch, r) for policy, prefetch in SETTINGS]
+        choice = choose_plan(tc.costs, gpu, candidates)
+        if check is not None:
+            check.compare(tc, gpu, r, candidates, choice)
         variants.append((("auto", choice.prefetch), False))
         for (policy, prefetch), lora in variants:
             costs = tc.lora_costs if lora else tc.costs
             chosen = choice.policy if policy == "auto" else policy
-            p = choice.prediction if policy == "auto" else tm.predict(costs, gpu, r, policy, prefetch)
+            p = choice.prediction if policy == "auto" else predict(costs, gpu, r, policy, prefetch)
             device = Schedule(choose_resident_blocks(n, r, chosen)).device_bytes(costs.block_bytes, prefetch) + fixed
             rows.append(dict(GPU=gpu.name, template=tc.key, resident_count=r, policy=policy, chosen=chosen,
                              prefetch=prefetch,
@@ -217,6 +223,51 @@ def rows_for(tc: TemplateCosts, gpu, plans) -> List[dict]:
     return rows
 
 
+class ReplayCheck:
+    """Auto's choice at every (GPU, template, r) made twice, by the product's model and by replaying the real manager
+    (bench/timing_replay.py), and the host seconds of each planning: the replay on the first card as in a fresh
+    process (no recording kept), on the others with the first card's recordings (their timing alone)."""
+
+    def __init__(self, cold_gpu: str):
+        self.cold_gpu = cold_gpu
+        self.plans = 0
+        self.differing: List[str] = []
+        self.seconds: Dict[str, List[float]] = {"model": [], "replay kept": [], "replay cold": []}
+
+    def compare(self, tc: TemplateCosts, gpu, r: int, candidates, choice) -> None:
+        cold = gpu.name == self.cold_gpu
+        started = time.perf_counter()
+        choose_plan(tc.costs, gpu, candidates)
+        self.seconds["model"].append(time.perf_counter() - started)
+        if cold:
+            timing_replay.clear_recordings()
+        started = time.perf_counter()
+        replayed = choose_plan(tc.costs, gpu, candidates, model=timing_replay.predict)
+        self.seconds["replay cold" if cold else "replay kept"].append(time.perf_counter() - started)
+        self.plans += 1
+        if (replayed.policy, replayed.prefetch) != (choice.policy, choice.prefetch):
+            self.differing.append(f"| {gpu.name} | {tc.key} | {r} | {choice.policy} {choice.prefetch} "
+                                  f"({choice.prediction.ratio:.3f}) | {replayed.policy} {replayed.prefetch} "
+                                  f"({replayed.prediction.ratio:.3f}) |")
+
+    def lines(self) -> List[str]:
+        def per_planning(key):
+            times = sorted(self.seconds[key])
+            return (f"{sum(times) / len(times):.4f} s mean, {times[len(times) // 2]:.4f} median, {times[-1]:.4f} max "
+                    f"over {len(times)}") if times else "not measured"
+        out = ["", "## The replay check", "",
+               f"Auto's setting chosen by the model and by replaying the real manager (`bench/timing_replay.py`): "
+               f"{self.plans - len(self.differing)} of {self.plans} plans agree.", "",
+               "Host seconds per planning (`choose_plan` over the candidates, this machine): "
+               f"the model {per_planning('model')}; the replay in a fresh process (recording every candidate's "
+               f"schedule) {per_planning('replay cold')}; the replay with the schedules recorded before "
+               f"{per_planning('replay kept')}."]
+        if self.differing:
+            out += ["", "| GPU | template | r | model (ratio) | replay (ratio) |", "| --- | --- | --- | --- | --- |",
+                    *self.differing]
+        return out
+
+
 # ----------------------------------------------------------------------------------------------- reporting
 
 def _key(row) -> tuple:
@@ -225,7 +276,7 @@ def _key(row) -> tuple:
 
 def fixes(rows: List[dict]) -> Dict[tuple, dict]:
     """Per (GPU, template, r): the setting within WITHIN that holds the fewest device bytes (ties: the order of
-    ``timing_model.SETTINGS``), as ``timing_model.best_setting`` chooses."""
+    ``SETTINGS``)."""
     order = {s: i for i, s in enumerate(SETTINGS)}
     best: Dict[tuple, dict] = {}
     for row in rows:
@@ -259,7 +310,7 @@ def sensitivity(templates: List[TemplateCosts], gpus, plans) -> List[str]:
                     device = Schedule(choose_resident_blocks(n, r, "leading")).device_bytes(tc.costs.block_bytes, 1)
                     if device + fixed > g.vram_bytes:
                         continue
-                    ratio = tm.predict(tc.costs, variant, r, *BEFORE).ratio
+                    ratio = predict(tc.costs, variant, r, *BEFORE).ratio
                     if ratio > WITHIN:
                         over.append((tc.key, g.name.rsplit(" ", 1)[0]))
                     worst = max(worst, (ratio, f"{tc.key}, {g.name}, r {r}"))
@@ -387,7 +438,7 @@ def _ranges(values: List[int]) -> str:
     return ", ".join(out)
 
 
-def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path: Path) -> None:
+def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path: Path, check=None) -> None:
     best = fixes(rows)
     default = [r for r in rows if is_before(r) and not r["lora"]]
     by = {(_key(r), r["policy"], r["prefetch"], r["lora"]): r for r in rows}
@@ -395,7 +446,8 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
     lines = [
         "# Timing model: predicted step time vs the bound",
         "",
-        "Made by `.venv/bin/python -P bench/timing_table.py` (about 20 minutes on the project's shared 2-core machine); every row is in "
+        "Made by `.venv/bin/python -P bench/timing_table.py --replay` (3 minutes on the project's shared 2-core "
+        "machine); every row is in "
         "`timing_model.csv`, the curves in `timing_model.png`. **A model, not a measurement**: the first GPU run "
         "checks it.",
         "",
@@ -405,13 +457,12 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
         "",
         "## How",
         "",
-        "`offload/timing_model.py` runs the real `LayerwiseOffloadManager` for three forwards of a stand-in with the "
-        "template's block count, over the real `StreamBackend` whose CUDA module is a recorder: every copy, event "
-        "record, event wait, after-copy transform and block kernel is logged on the stream it was queued on, in the "
-        "order the host queued it. The trace is then timed as CUDA runs it (streams first in, first out; an event "
-        "completes when the work before it on its stream has; one host thread issues everything in order). The step "
-        "is the steady state (between the ends of forwards 2 and 3). The bound is DESIGN.md's "
-        "`max(compute, streamed bytes / H2D)`.",
+        "`offload/timing/step.py` computes the manager's schedule from the plan: the compute stream runs the blocks "
+        "in order, each streamed block waits for its bytes, the copy of the streamed block `prefetch` places on is "
+        "queued before it into the slot the previous streamed block left (wrapping into the next step), one copy "
+        "engine, the LoRA on a stream of its own. The step is the steady state (between the ends of forwards 2 and "
+        "3). `bench/timing_replay.py` checks that schedule against the real `LayerwiseOffloadManager` (below). The "
+        "bound is `max(compute, streamed bytes / H2D)`.",
         "",
         "Assumptions:",
         "",
@@ -552,6 +603,8 @@ def write_markdown(rows: List[dict], templates: List[TemplateCosts], gpus, path:
             lines.append(f"| {tc.name} | {g.name} | {lora_ms:.1f} | {plain['ratio']:.3f} / {lead['ratio']:.3f} | "
                          f"{lead['predicted_step_ms'] - plain['predicted_step_ms']:+.0f} | "
                          f"{text['leading']} | {text['strided']} |")
+    if check is not None:
+        lines += check.lines()
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -604,7 +657,9 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(RESULTS), help="folder for timing_model.csv / .md / .png")
     parser.add_argument("--templates", default="", help="comma-separated template keys (default: all)")
-    parser.add_argument("--gpus", default="", help="comma-separated GPU names from offload.timing_model.GPUS")
+    parser.add_argument("--gpus", default="", help="comma-separated GPU names from offload.timing.costs.GPUS")
+    parser.add_argument("--replay", action="store_true",
+                        help="also choose auto's setting by replaying the real manager, and report the agreement")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     templates = template_costs([k for k in args.templates.split(",") if k] or None)
@@ -614,15 +669,16 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: List[dict] = []
+    check = ReplayCheck(gpus[0].name) if args.replay else None
     for tc in templates:
         for g in gpus:
-            rows += rows_for(tc, g, plans)
+            rows += rows_for(tc, g, plans, check)
         print(f"[timing_table] {tc.key}: {len(rows)} rows, {time.perf_counter() - started:.0f} s", flush=True)
     with open(out / "timing_model.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=FIELDS)
         writer.writeheader()
         writer.writerows(rows)
-    write_markdown(rows, templates, gpus, out / "timing_model.md")
+    write_markdown(rows, templates, gpus, out / "timing_model.md", check)
     plot(rows, templates, gpus, out / "timing_model.png")
     print(f"[timing_table] {len(rows)} rows in {time.perf_counter() - started:.0f} s -> {out}", flush=True)
     return 0

@@ -213,7 +213,8 @@ def tight_budget(patcher, latent: Sequence[int], fraction: float = TIGHT_FRACTIO
     from unittest import mock
     from ..nodes import run_planning
     from ..nodes.patcher import LayerwiseOffloadPatcherMixin
-    from ..offload import TIMING_GPU_ENV, block_width, forward_activation_bytes, gpu_costs
+    from ..offload import TIMING_GPU_ENV, block_width, forward_activation_bytes
+    from ..offload.timing import costs as gpu_costs
     mm = import_comfyui().model_management
     controller = patcher.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
     per_channel = int(torch.Size(latent[2:]).numel())

@@ -19,7 +19,7 @@ import comfy.model_management
 from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, available_host_bytes, block_parameters,
                        block_width, choose_resident_blocks, describe, format_bytes, forward_activation_bytes,
                        plan_residency, plan_streamed_tails, plan_weight_units, streamed_tails_plan)
-from ..offload import SETTINGS, block_flops, choose_plan, gpu_for, model_costs
+from ..offload import timing_for
 from .advice import activation_words
 from .discovery import DiscoveredBlocks
 
@@ -55,7 +55,7 @@ class RunPlanner:
         """At a run's first forward, where the latent is known: auto's resident count (as many blocks as fit in what
         ComfyUI says is free on the device now, next to this latent's activations, offload/activation_model.py, and
         ComfyUI's reserve) and, with residency_policy auto, the policy and prefetch depth the timing model predicts
-        fastest on this card (offload/timing_model.py; leading with the node's prefetch_size where no card is
+        fastest on this card (offload/timing/; leading with the node's prefetch_size where no card is
         known, as on the CPU loopback).
 
         ``config`` is this output's settings under ComfyUI's budget, ``device_lora_scratch`` and ``device_plan``
@@ -78,9 +78,9 @@ class RunPlanner:
             batch=max(1, x.shape[0]), dtype_bytes=self._compute_dtype_bytes(x), latent_channels=x.shape[1])
         activation_bytes = activations.nbytes + device_lora_scratch
         sizes = manager.block_nbytes()
-        gpu = gpu_for(device) if self.auto_setting else None
-        settings = ([(policy, prefetch) for policy, prefetch in SETTINGS if prefetch >= self.prefetch_floor]
-                    if gpu is not None else [(config.policy, config.prefetch_size)])
+        timing = timing_for(device) if self.auto_setting else None
+        settings = ([(policy, prefetch) for policy, prefetch in timing.settings if prefetch >= self.prefetch_floor]
+                    if timing is not None else [(config.policy, config.prefetch_size)])
 
         def plan_for(policy: str, prefetch: int, max_resident: Optional[int] = None):
             return plan_residency(sizes, free, reserve_bytes=reserve, activation_bytes=activation_bytes,
@@ -93,7 +93,7 @@ class RunPlanner:
         if self.auto:
             candidates = [(policy, prefetch, plan.resident_count) for (policy, prefetch), plan in plans.items()
                           if plan.fits]
-            if gpu is not None and not all(plan.resident_count == len(sizes) for plan in plans.values()):
+            if timing is not None and not all(plan.resident_count == len(sizes) for plan in plans.values()):
                 # Streamed tails, where the timing model can weigh them against whole blocks: every block keeps its
                 # head and streams a tail, the fewest bytes per step this budget allows.
                 options = manager.tail_options()
@@ -111,18 +111,16 @@ class RunPlanner:
                               sizes, prefetch) <= budget]
         first = settings[0]
         chosen = (first[0], first[1], plans[first].resident_count if self.auto else None)
-        if gpu is not None and len(candidates) > 1:
-            blocks = self.discovered.blocks
-            costs = model_costs(blocks, sizes, [block_flops(b, activations.tokens, x.shape[0]) for b in blocks],
-                                self._compute_dtype_bytes(x), self._device_lora_weights(manager, device_plan))
-            choice = choose_plan(costs, gpu, candidates)
+        if timing is not None and len(candidates) > 1:
+            choice = timing.choose(candidates, self.discovered.blocks, sizes, activations.tokens, x.shape[0],
+                                   self._compute_dtype_bytes(x), self._device_lora_weights(manager, device_plan))
             chosen = (choice.policy, choice.prefetch, choice.resident_count, choice.tails)
             if chosen != self.last_choice:
                 what = (f"tails streamed ({format_bytes(sum(choice.tails))} a step)" if choice.tails
                         else f"{choice.policy}, {choice.resident_count} resident")
                 log.info("[layerwise-offload] %s: %s, prefetch %d predicted %.2fx the bound "
                          "(max(compute, streamed bytes / H2D)) on %s", "auto" if self.auto else "residency_policy auto",
-                         what, choice.prefetch, choice.prediction.ratio, gpu.name)
+                         what, choice.prefetch, choice.prediction.ratio, timing.name)
         elif len(candidates) == 1:
             chosen = candidates[0]
         self.last_choice = chosen

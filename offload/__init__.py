@@ -21,18 +21,11 @@ from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, la
 from .stats import OffloadStats
 from .units import WeightUnits, weight_units
 from .weights import point_param_at, weight_nbytes, weight_parts
-from .plan_choice import TIMING_GPU_ENV, block_flops, choose_plan, gpu_for
-from .gpu_costs import ModelCosts, model_costs
-from .timing_model import SETTINGS
+from .timing import TIMING_GPU_ENV, timing_for
 
 __all__ = [
-    "gpu_for",
-    "choose_plan",
-    "block_flops",
-    "ModelCosts",
-    "model_costs",
+    "timing_for",
     "TIMING_GPU_ENV",
-    "SETTINGS",
     "DISK_DIR_ENV",
     "Footprint",
     "HOST_STORES",

@@ -223,7 +223,8 @@ def test_residency_policy_auto_runs_the_setting_the_timing_model_chooses_bitwise
     """The default residency_policy (auto): with a card known (here the loopback plans as an RTX 4090 would), the
     policy and prefetch depth are the timing model's choice among those that fit, prefetch never below the node's;
     with no card known (the loopback as it is), leading with the node's prefetch. Output bitwise either way."""
-    from layerwise_offload.offload import SETTINGS, TIMING_GPU_ENV
+    from layerwise_offload.offload import TIMING_GPU_ENV
+    from layerwise_offload.offload.timing.choice import SETTINGS
     assert DEFAULTS["residency_policy"] == "auto"
     assert LayerwiseOffloadV1.INPUT_TYPES()["required"]["residency_policy"][0][0] == "auto"
     want = tiny_dits.sample(tiny_dits.build_tiny("flux"), seed=5)

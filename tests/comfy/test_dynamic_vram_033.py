@@ -188,7 +188,8 @@ def test_streamed_tails_through_the_templates_chain(files, monkeypatch):
     to the timing model and a budget smaller than the model: auto streams tails, bitwise against 0.33's own
     dynamic run of the same model, and the same loaded model runs without the node after."""
     from layerwise_offload.nodes import run_planning
-    from layerwise_offload.offload import TIMING_GPU_ENV, gpu_costs
+    from layerwise_offload.offload import TIMING_GPU_ENV
+    from layerwise_offload.offload.timing import costs as gpu_costs
 
     card = gpu_costs.GPUS["RTX 4090 24GB"]
     slow = "RTX 4090 behind a 0.2 GB/s link"  # the tiny model's copies outweigh its host time, as a real model's do

@@ -18,7 +18,6 @@ import comfy.model_management as mm
 from layerwise_offload.bench import gpu_steps
 from layerwise_offload.bench.gpu_steps import (TABLES, Ballast, DevicePeak, Table, VbarCastCounter, bound_ms,
                                                predict_setting, ratio, sweep_counts)
-from layerwise_offload.offload import timing_model as tm
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_run.sh"

@@ -7,11 +7,11 @@ import torch
 import comfy.model_management as mm
 import comfy.sd
 
-from layerwise_offload.bench.measure import block_lora
 from layerwise_offload.devtools import quantized_models, tiny_dits
-from layerwise_offload.nodes import run_planning
 from layerwise_offload.nodes.controller import offload_model
-from layerwise_offload.offload import TIMING_GPU_ENV, block_parameters, gpu_costs, weight_nbytes
+from layerwise_offload.offload import TIMING_GPU_ENV, block_parameters, weight_nbytes
+from layerwise_offload.offload.timing import choice, costs as gpu_costs
+from layerwise_offload.tests.device_lora_setup import random_lora
 
 
 @pytest.fixture
@@ -20,18 +20,18 @@ def costs_seen(monkeypatch):
     monkeypatch.setenv("LAYERWISE_OFFLOAD_CPU_LOOPBACK", "1")
     monkeypatch.setenv(TIMING_GPU_ENV, "RTX 4090 24GB")
     seen = []
-    choose = run_planning.choose_plan
+    choose = choice.choose_plan
 
     def recording(costs, gpu, candidates):
         seen.append(costs)
         return choose(costs, gpu, candidates)
-    monkeypatch.setattr(run_planning, "choose_plan", recording)
+    monkeypatch.setattr(choice, "choose_plan", recording)
     yield seen
     mm.unload_all_models()
 
 
 def test_a_lora_on_the_device_is_costed_per_block(costs_seen):
-    lora = block_lora(tiny_dits.build_wan21(), rank=2)
+    lora = random_lora(tiny_dits.build_wan21(), rank=2)
     want = tiny_dits.sample(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0])
     mm.unload_all_models()
     patcher = offload_model(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0], 1, 1)

@@ -17,7 +17,8 @@ from layerwise_offload.nodes import run_planning
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.nodes.stats_view import stats_view
-from layerwise_offload.offload import TIMING_GPU_ENV, gpu_costs, plan_residency
+from layerwise_offload.offload import TIMING_GPU_ENV, plan_residency
+from layerwise_offload.offload.timing import costs as gpu_costs
 from layerwise_offload.offload.planner import forward_activation_bytes
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")

@@ -339,9 +339,9 @@ def test_a_kernel_reading_a_blocks_host_copy_is_a_fault(x, tmp_path):
 
 
 def test_auto_times_the_device_it_plans_for_not_the_current_one():
-    """On a second GPU, auto's own timings (offload/plan_choice.py) run on that GPU's stream: events recorded
+    """On a second GPU, auto's own timings (offload/timing/choice.py) run on that GPU's stream: events recorded
     without a stream land on the current device's and would time nothing of it."""
-    from layerwise_offload.offload.plan_choice import measure_device
+    from layerwise_offload.offload.timing.choice import measure_device
     from layerwise_offload.tests.cuda_standin import Stream
 
     class TwoDevices(CudaStandIn):

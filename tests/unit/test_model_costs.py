@@ -1,10 +1,10 @@
-"""What a run tells the timing model about its model (offload/gpu_costs.py ``model_costs``): the weight format sets
+"""What a run tells the timing model about its model (offload/timing/costs.py ``model_costs``): the weight format sets
 the host time per streamed block, narrow weights the per-forward casts, a LoRA on the device its math."""
 
 import torch
 from torch import nn
 
-from layerwise_offload.offload import gpu_costs
+from layerwise_offload.offload.timing import costs as gpu_costs
 from layerwise_offload.offload.weights import cast_nbytes, register_storage_subclass, weight_format
 
 

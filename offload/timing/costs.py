@@ -1,6 +1,6 @@
 """What a step costs, whatever the schedule: the reference GPUs' figures, a model's per-block bytes and FLOPs
-(:class:`ModelCosts`), the host's time per streamed block by weight format, and the bound
-``max(compute, streamed bytes / H2D)`` of DESIGN.md section 6. :mod:`.timing_model` times a schedule with them.
+(:class:`ModelCosts`, :func:`block_flops`), the host's time per streamed block by weight format, and the bound
+``max(compute, streamed bytes / H2D)`` (docs/internals.md). :mod:`.step` times a plan's schedule with them.
 """
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
-from .weights import cast_nbytes, weight_format
+from ..weights import cast_nbytes, weight_format
 
 __all__ = ["GpuSpec", "GPUS", "DIT_EFFICIENCY", "HOST_S_PER_STREAMED_BLOCK", "HOST_S_PER_STREAMED_BLOCK_FP8",
            "HOST_S_PER_STREAMED_BLOCK_QUANTIZED", "HOST_S_PER_STREAMED_BLOCK_GGUF",
            "HOST_S_PER_STREAMED_BLOCK_BY_FORMAT", "LAUNCH_S_PER_BLOCK", "COPY_LATENCY_S", "LORA_BYTES_PER_WEIGHT",
-           "ModelCosts", "bound_seconds", "model_costs"]
+           "ModelCosts", "block_flops", "bound_seconds", "model_costs"]
 
 # ----------------------------------------------------------------------------------------------- figures
 
@@ -126,7 +126,7 @@ class ModelCosts:
 
 
 def bound_seconds(costs: ModelCosts, gpu: GpuSpec, resident: Sequence[bool]) -> float:
-    """DESIGN.md section 6: ``max(compute, streamed bytes / H2D)`` for one step."""
+    """The bound of one step: ``max(compute, streamed bytes / H2D)``."""
     streamed = sum(b for b, keep in zip(costs.streamed_copy_bytes, resident) if not keep)
     return max(costs.compute_seconds(gpu), streamed / gpu.h2d_bytes_per_s)
 
@@ -143,3 +143,17 @@ def model_costs(blocks: Sequence[nn.Module], block_bytes: Sequence[int], block_f
                       cast_bytes=cast if any(cast) else None,
                       lora_bytes=None if lora_weights is None else tuple(LORA_BYTES_PER_WEIGHT * n for n in lora_weights),
                       host_s_per_streamed_block=HOST_S_PER_STREAMED_BLOCK_BY_FORMAT[weight_format(blocks)])
+
+
+def block_flops(block: nn.Module, tokens: int, batch: int = 1) -> float:
+    """One forward of ``block`` over ``tokens`` tokens per item: ``2 x linear weights x tokens + 4 x tokens^2 x
+    width`` per item, ``width`` its narrowest linear input (the hidden size), every linear seeing every token.
+    A rule of thumb a run can afford; bench/timing_table.py counts the templates' FLOPs exactly."""
+    elements, width = 0, None
+    for module in block.modules():
+        weight = getattr(module, "weight", None)
+        in_features = getattr(module, "in_features", None)
+        if isinstance(in_features, int) and weight is not None:
+            elements += weight.numel() if weight.dim() == 2 else in_features * getattr(module, "out_features", 0)
+            width = in_features if width is None else min(width, in_features)
+    return float(batch) * (2.0 * elements * tokens + 4.0 * tokens * tokens * (width or 0))

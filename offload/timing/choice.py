@@ -1,9 +1,8 @@
-"""The plan a run chooses with residency_policy auto: the timing model (:mod:`.timing_model`) fed this card and
-this model at this latent, over the candidate policies and prefetch depths that fit.
+"""The plan a run chooses with residency_policy auto: the timing model (:mod:`.step`) fed this card and this model at
+this latent, over the candidate policies and prefetch depths that fit.
 
 The card is a CUDA device's own figures, measured once per process, or a reference card named by
-``$LAYERWISE_OFFLOAD_TIMING_GPU`` (how the CPU loopback plans as that card would). A block's FLOPs come from a rule
-of thumb over its linear weights (:func:`block_flops`); bench/timing_table.py counts the templates' exactly.
+``$LAYERWISE_OFFLOAD_TIMING_GPU`` (how the CPU loopback plans as that card would).
 """
 
 from __future__ import annotations
@@ -16,28 +15,23 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from .gpu_costs import GPUS, GpuSpec, ModelCosts
-from .timing_model import Prediction, predict
+from ..schedule import Schedule, choose_resident_blocks
+from .costs import GPUS, GpuSpec, ModelCosts, block_flops, model_costs
+from .step import Prediction, predict
 
-__all__ = ["TIMING_GPU_ENV", "CLOSE_STEP", "PlanChoice", "block_flops", "gpu_for", "choose_plan"]
+__all__ = ["TIMING_GPU_ENV", "CLOSE_STEP", "SETTINGS", "CardTiming", "PlanChoice", "timing_for", "gpu_for",
+           "measure_device", "choose_plan"]
 
 TIMING_GPU_ENV = "LAYERWISE_OFFLOAD_TIMING_GPU"  # a name of GPUS: plan as on that card (tests, the CPU loopback)
 CLOSE_STEP = 1.01  # predicted steps this close to the fastest count as equal: the plan with fewer device bytes wins
 
-
-def block_flops(block: nn.Module, tokens: int, batch: int = 1) -> float:
-    """One forward of ``block`` over ``tokens`` tokens per item: ``2 x linear weights x tokens + 4 x tokens^2 x
-    width`` per item, ``width`` its narrowest linear input (the hidden size), every linear seeing every token.
-    bench/timing_table.py counts the templates' FLOPs exactly on the meta device; this rule of thumb is what a
-    run can afford, and within a few percent of the count for the DiT blocks it was checked on."""
-    elements, width = 0, None
-    for module in block.modules():
-        weight = getattr(module, "weight", None)
-        in_features = getattr(module, "in_features", None)
-        if isinstance(in_features, int) and weight is not None:
-            elements += weight.numel() if weight.dim() == 2 else in_features * getattr(module, "out_features", 0)
-            width = in_features if width is None else min(width, in_features)
-    return float(batch) * (2.0 * elements * tokens + 4.0 * tokens * tokens * (width or 0))
+# The policy x prefetch depths auto chooses from. Deeper rings only for leading: where the residents are the model's
+# biggest blocks and come first (Flux's double blocks), the copy engine idles while they compute unless the ring can
+# take the copies of that whole stretch; strided needs no deeper ring (it keeps smaller blocks resident instead, and
+# streams more bytes).
+SETTINGS: Tuple[Tuple[str, int], ...] = (("leading", 1), ("strided", 1), ("leading", 2), ("strided", 2),
+                                         ("leading", 3), ("strided", 3), ("leading", 4), ("strided", 4),
+                                         ("leading", 6), ("leading", 8), ("leading", 12), ("leading", 16))
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,12 +106,10 @@ class PlanChoice:
     tails: Tuple[int, ...] = ()  # per block, the bytes it streams (streamed tails); (): whole blocks
 
 
-def choose_plan(costs: ModelCosts, gpu: GpuSpec, candidates: Sequence[tuple]) -> PlanChoice:
+def choose_plan(costs: ModelCosts, gpu: GpuSpec, candidates: Sequence[tuple], model=predict) -> PlanChoice:
     """The fastest of ``candidates`` ((policy, prefetch, resident count), or with a fourth item, per block the bytes
-    it streams (streamed tails); each fitting the device) as predicted on ``gpu``; among those within
+    it streams (streamed tails); each fitting the device) as ``model`` predicts them on ``gpu``; among those within
     :data:`CLOSE_STEP` of the fastest step, the one holding the fewest device bytes (ties: the earlier candidate)."""
-    from .schedule import Schedule, choose_resident_blocks
-
     if not candidates:
         raise ValueError("choose_plan needs at least one candidate")
     scored = []
@@ -126,8 +118,37 @@ def choose_plan(costs: ModelCosts, gpu: GpuSpec, candidates: Sequence[tuple]) ->
         nbytes = Schedule(choose_resident_blocks(costs.num_blocks, count, policy)).device_bytes(
             costs.block_bytes, prefetch, tails or None)
         scored.append(PlanChoice(policy, prefetch, count, nbytes,
-                                 predict(costs, gpu, count, policy, prefetch, tails=tails or None), tails))
+                                 model(costs, gpu, count, policy, prefetch, tails=tails or None), tails))
     fastest = min(c.prediction.step_s for c in scored)
     close = [c for c in scored if c.prediction.step_s <= fastest * CLOSE_STEP]
     return min(close, key=lambda c: c.device_bytes)
 
+
+
+@dataclass(frozen=True)
+class CardTiming:
+    """The timing model on one card: the settings residency_policy auto chooses among, and the choice."""
+
+    gpu: GpuSpec
+    settings: Tuple[Tuple[str, int], ...] = SETTINGS
+
+    @property
+    def name(self) -> str:
+        return self.gpu.name
+
+    def choose(self, candidates: Sequence[tuple], blocks: Sequence[nn.Module], block_bytes: Sequence[int],
+               tokens: int, batch: int, compute_itemsize: int,
+               lora_weights: Optional[Sequence[int]] = None) -> PlanChoice:
+        """:func:`choose_plan` over ``candidates`` for these blocks (their bytes as the manager stores them) at
+        ``tokens`` x ``batch``, computing in ``compute_itemsize``-byte elements; ``lora_weights``: per block, the
+        weights a LoRA patches on the device (None: no LoRA)."""
+        costs = model_costs(blocks, block_bytes, [block_flops(b, tokens, batch) for b in blocks], compute_itemsize,
+                            lora_weights)
+        return choose_plan(costs, self.gpu, candidates)
+
+
+def timing_for(device) -> Optional[CardTiming]:
+    """The timing model for ``device`` (:func:`gpu_for`), or None where no card is known (the plain CPU loopback,
+    other devices): then auto keeps the node's own policy and prefetch."""
+    gpu = gpu_for(device)
+    return None if gpu is None else CardTiming(gpu)

@@ -1,24 +1,35 @@
-"""The manager's real schedule of one step, recorded: which copies, kernels, event records and waits it queues on
-which stream, in the order the host issues them (:func:`record_schedule`; see :mod:`.timing_model`, which times it).
+"""The real manager's schedule of a plan, recorded and timed: the check of the timing model (offload/timing/).
 
-The real :class:`~.manager.LayerwiseOffloadManager` runs a few forwards of a tiny stand-in model (one 64-byte weight
-per block, as many blocks as the real model) with its real :class:`~.device.backend.StreamBackend`, whose
-``torch.cuda`` is replaced by a recorder. Nothing of the schedule is written down here: change the manager's order
-and the trace changes with it.
+:func:`record_schedule` runs the real :class:`~layerwise_offload.offload.manager.LayerwiseOffloadManager` for a few
+forwards of a tiny stand-in model (one small weight per block, as many blocks as the real model) with its real
+``StreamBackend``, whose ``torch.cuda`` is replaced by a recorder: streams and events log what is queued on them, a
+dispatch mode logs every ``copy_`` into the manager's device memory on the stream current when it is queued, the
+blocks log their kernels, an after-copy transform (a LoRA on the device) logs itself. Nothing of the schedule is
+written down here: change the manager's order and the trace changes with it.
+
+:func:`simulate` times a trace as CUDA runs it: one host thread issues every operation in trace order, each stream
+runs its work in order, an event completes when the work queued before it has, ``wait_event`` holds a stream until
+then, a host synchronize holds the host. Durations and host costs are the timing model's
+(``offload/timing/costs.py``), so where the product's model (``offload/timing/step.py``, computed from the plan)
+and this replay differ, the schedule the model assumes is not the manager's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Trace", "record_schedule", "clear_recordings"]
+from ..offload.timing.costs import COPY_LATENCY_S, GpuSpec, ModelCosts
+from ..offload.timing.step import Prediction, Timeline, prediction
+
+__all__ = ["Trace", "record_schedule", "clear_recordings", "simulate", "predict"]
 
 # ----------------------------------------------------------------------------------------------- the recorder
 
@@ -84,7 +95,7 @@ class _RecordingDevice:
 
 
 def _recording_backend(device: _RecordingDevice):
-    from .device.backend import StreamBackend
+    from ..offload.device.backend import StreamBackend
 
     class RecordingBackend(StreamBackend):
         """The real StreamBackend over the recorder (its constructor asks torch for a device module)."""
@@ -213,8 +224,8 @@ class _Session:
     follow arm it afresh, as after any replan."""
 
     def __init__(self, num_blocks: int):
-        from .host.environment import HostEnvironment
-        from .manager import LayerwiseOffloadManager
+        from ..offload.host.environment import HostEnvironment
+        from ..offload.manager import LayerwiseOffloadManager
 
         self.device = device = _RecordingDevice()
         self.model = _Model(num_blocks, device)
@@ -287,3 +298,89 @@ def clear_recordings() -> None:
     while _SESSIONS:
         _SESSIONS.popitem()[1].close()
 
+
+
+# ----------------------------------------------------------------------------------------------- timing a trace
+
+def simulate(trace: Trace, costs: ModelCosts, gpu: GpuSpec, sync_each_step: bool = True) -> Prediction:
+    """Time ``trace`` on ``gpu`` (see the module docstring) and return its last forward's step."""
+    if trace.num_blocks != costs.num_blocks:
+        raise ValueError(f"the trace has {trace.num_blocks} blocks, the costs {costs.num_blocks}")
+    block_s = costs.block_seconds(gpu)
+    outside_s = costs.outside_flops / gpu.dit_flops_per_s / 2  # two outside kernels per forward
+    lora = costs.lora_bytes
+    # A streamed block's copy in the steady state moves its tail (streamed tails); the arming copies residents whole.
+    copied, streamed_copy = costs.block_bytes, costs.streamed_copy_bytes
+    line = Timeline([], {}, [], [], [], [])
+    host = 0.0
+    ready: Dict[str, float] = {}
+    events: Dict[int, float] = {}
+    spans: List[Dict[int, Tuple[float, float]]] = []  # per forward: block -> its kernels' span
+
+    def run(stream: str, seconds: float) -> Tuple[float, float]:
+        start = max(ready.get(stream, 0.0), host)
+        ready[stream] = start + seconds
+        line.busy.setdefault(stream, []).append((start, start + seconds))
+        return start, start + seconds
+
+    def spend(seconds: float) -> None:
+        nonlocal host
+        line.host_busy.append((host, host + seconds))
+        host += seconds
+
+    for op in trace.ops:
+        kind = op[0]
+        if kind == "copy":
+            _, stream, block, fraction = op
+            if block is not None and not trace.resident[block] and fraction >= 1.0:
+                spend(costs.host_s_per_streamed_block)
+            nbytes = (copied[block] if trace.resident[block] else streamed_copy[block]) * fraction \
+                if block is not None else 0.0
+            span = run(stream, COPY_LATENCY_S + nbytes / gpu.h2d_bytes_per_s)
+            line.copies[-1] += 1
+            if block is not None:
+                line.copy_spans[-1].append((block, *span))
+        elif kind == "kernel":
+            _, stream, what, block = op
+            if what == "block":
+                spend(costs.launch_s_per_block)
+                spans[-1][block] = run(stream, block_s[block])
+            elif what == "outside":
+                run(stream, outside_s)
+            elif what == "transform":
+                run(stream, (lora[block] if lora is not None else 0.0) / gpu.hbm_bytes_per_s)
+            else:
+                raise ValueError(f"unknown kernel {what!r} in the trace")
+        elif kind == "record":
+            events[op[2]] = max(ready.get(op[1], 0.0), host)
+        elif kind == "wait":
+            if op[2] in events:  # waiting on an event never recorded is a no-op, as in CUDA
+                ready[op[1]] = max(ready.get(op[1], 0.0), events[op[2]])
+        elif kind == "host_event":
+            host = max(host, events.get(op[1], host))
+        elif kind == "host_stream":
+            host = max(host, ready.get(op[1], 0.0))
+        elif kind == "forward":
+            line.copies.append(0)
+            line.copy_spans.append([])
+            spans.append({})
+        elif kind == "step_end":
+            if sync_each_step:
+                host = max(host, ready.get("compute", 0.0))
+            line.step_ends.append(ready.get("compute", 0.0))
+        else:
+            raise ValueError(f"unknown operation {op!r} in the trace")
+    if len(line.step_ends) < 2:
+        raise ValueError("the trace needs at least two forwards")
+    line.block_spans = [[forward[i] for i in range(trace.num_blocks)] for forward in spans]
+    return prediction(line, costs, gpu, trace.resident)
+
+
+def predict(costs: ModelCosts, gpu: GpuSpec, resident_count: int, policy: str = "leading", prefetch: int = 1,
+            sync_each_step: bool = True, tails: Optional[Sequence[int]] = None) -> Prediction:
+    """The manager's recorded schedule for this plan (once per block count and plan), timed on ``gpu``: what
+    ``offload.timing.step.predict`` computes from the plan, by replay."""
+    if tails:
+        costs = dataclasses.replace(costs, tail_bytes=tuple(tails))
+    trace = record_schedule(costs.num_blocks, resident_count, policy, prefetch, costs.lora_bytes is not None)
+    return simulate(trace, costs, gpu, sync_each_step)
