@@ -299,7 +299,7 @@ def _is_narrow(tensor: torch.Tensor) -> bool:
 
 
 def weight_format(blocks: Sequence[nn.Module]) -> str:
-    """What the blocks' weights are stored as, in the timing model's words (``gpu_costs``'s host time per streamed
+    """What the blocks' weights are stored as, in the timing model's words (``offload/timing/costs.py``'s host time per streamed
     block): ``gguf`` (ComfyUI-GGUF's storage subclass), ``quantized`` (a flatten-protocol subclass: ComfyUI's
     QuantizedTensor), ``fp8`` (plain fp8 tensors) or ``bf16`` (anything else: 16- or 32-bit floats)."""
     found = set()

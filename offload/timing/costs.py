@@ -21,7 +21,7 @@ __all__ = ["GpuSpec", "GPUS", "DIT_EFFICIENCY", "HOST_S_PER_STREAMED_BLOCK", "HO
 
 DIT_EFFICIENCY = 0.7  # a DiT block's kernels (GEMMs, flash attention, norms, RoPE, gates) vs a big square GEMM
 # The manager's Python time per streamed block, by weight format: the worst median of the "after" rows of
-# bench/results/host_time.csv (bench/host_time.py on the project's 2-core CPU, ComfyUI 0.3.75 and 0.33.0, three runs;
+# bench/results/host_time.csv (bench/studies/host_time.py on the project's 2-core CPU, ComfyUI 0.3.75 and 0.33.0, three runs;
 # the quietest runs are up to 2x faster). Not in it: a GPU's C++ tensor trade per quantized weight (~1.7 us each).
 HOST_S_PER_STREAMED_BLOCK = 0.116e-3  # plain bf16 / fp16 weights
 HOST_S_PER_STREAMED_BLOCK_FP8 = 0.082e-3  # plain fp8 weights (e4m3fn, unscaled)

@@ -11,7 +11,6 @@ import torch
 import comfy.model_management as mm
 import comfy.sd
 
-from layerwise_offload.bench.measure import block_lora
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes import run_planning
 from layerwise_offload.nodes.controller import offload_model
@@ -19,6 +18,7 @@ from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.nodes.stats_view import stats_view
 from layerwise_offload.offload import TIMING_GPU_ENV, plan_residency
 from layerwise_offload.offload.timing import costs as gpu_costs
+from layerwise_offload.tests.device_lora_setup import random_lora
 from layerwise_offload.offload.planner import forward_activation_bytes
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
@@ -58,7 +58,7 @@ def test_auto_streams_tails_bitwise_and_fewer_bytes_than_whole_blocks(budget, lo
     def build():
         model = tiny_dits.build_tiny("wan21")
         if lora:
-            patches = block_lora(tiny_dits.build_tiny("wan21"), rank=2)
+            patches = random_lora(tiny_dits.build_tiny("wan21"), rank=2)
             model = comfy.sd.load_lora_for_models(model, None, patches, 0.8, 0)[0]
         return model
     want = tiny_dits.sample(build(), seed=3)

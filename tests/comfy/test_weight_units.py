@@ -113,7 +113,7 @@ def test_the_node_streams_weight_units_bitwise_within_the_free_vram(free_memory,
     free, holds no more than that beside the non-block weights, moves fewer bytes a step than any whole-block or
     whole-tail plan of the same room, and samples bitwise what ComfyUI alone samples (with a LoRA on the device
     too, its norms and modulations patched with the non-block weights)."""
-    from layerwise_offload.bench.measure import block_lora
+    from layerwise_offload.tests.device_lora_setup import random_lora
     from layerwise_offload.nodes.controller import offload_model
     from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
     from layerwise_offload.nodes.stats_view import stats_view
@@ -122,7 +122,7 @@ def test_the_node_streams_weight_units_bitwise_within_the_free_vram(free_memory,
     def build():
         model = tiny_dits.build_tiny(family)
         if lora:
-            patches = block_lora(tiny_dits.build_tiny(family), rank=2)
+            patches = random_lora(tiny_dits.build_tiny(family), rank=2)
             model = comfy.sd.load_lora_for_models(model, None, patches, 0.8, 0)[0]
         return model
     want = tiny_dits.sample(build(), seed=3)

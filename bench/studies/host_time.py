@@ -1,6 +1,6 @@
 """Host (Python) time the manager spends per streamed block, per weight format, on the CPU loopback (issue 28 item 3).
 
-    COMFYUI_PATH=$PWD/.comfyui/ComfyUI .venv/bin/python -P bench/host_time.py --phase before [--append]
+    COMFYUI_PATH=$PWD/.comfyui/ComfyUI .venv/bin/python -P bench/studies/host_time.py --phase before [--append]
 
 A toy model of ``--blocks`` blocks (40), each of ~30 small parameters (ten linears' weight and bias, ten norm
 weights; 32 wide), so a copy moves a few KiB and its time is noise next to the host's bookkeeping. The blocks'
@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 RESULTS = REPO_ROOT / "bench" / "results" / "host_time.csv"
 COLUMNS = ["format", "phase", "ms_per_block", "ms_per_block_min", "blocks", "params_per_block", "repeats",
            "forwards", "clock", "torch", "comfyui", "machine"]

@@ -18,8 +18,8 @@ streams on its own, a ring of two pieces of at most one weight): what streaming 
 ``--dynamic`` (on ComfyUI 0.33+) sets the same plans against 0.33's dynamic VRAM: its own dynamic load on the meta
 device, and comfy-aimdo's page rule for what stays resident (:func:`dynamic_streamed_bytes`).
 
-    COMFYUI_PATH=$PWD/.comfyui/ComfyUI .venv/bin/python -P bench/g5_bytes.py --out bench/results
-    COMFYUI_PATH=$PWD/.comfyui/ComfyUI-0.33.0 .venv-0.33.0/bin/python -P bench/g5_bytes.py --dynamic --out bench/results
+    COMFYUI_PATH=$PWD/.comfyui/ComfyUI .venv/bin/python -P bench/studies/g5_bytes.py --out bench/results
+    COMFYUI_PATH=$PWD/.comfyui/ComfyUI-0.33.0 .venv-0.33.0/bin/python -P bench/studies/g5_bytes.py --dynamic --out bench/results
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 
 if not __package__:  # run by path: register the pack so the relative imports below work
     import runpy
-    runpy.run_path(str(Path(__file__).parents[1] / "devtools" / "comfy_env.py"))["enter_pack"](globals())
+    runpy.run_path(str(Path(__file__).resolve().parents[2] / "devtools" / "comfy_env.py"))["enter_pack"](globals())
 
-from ..devtools import comfy_env, dit_presets, template_memory  # noqa: E402
+from ...devtools import comfy_env, dit_presets, template_memory  # noqa: E402
 
 FRACTIONS = (0.3, 0.5, 0.7, 0.9)
 FIELDS = ("template", "budget_fraction", "budget_bytes", "weights_bytes", "comfy_lowvram_bytes_per_step",
@@ -128,7 +128,7 @@ def dynamic_load_layout(template):
     import comfy_aimdo.model_vbar
     import torch
 
-    from ..devtools import dynamic_vram_standin
+    from ...devtools import dynamic_vram_standin
 
     if not dynamic_vram_standin.available():
         raise RuntimeError("[layerwise-offload] the dynamic-VRAM figure needs ComfyUI 0.33+ (ModelPatcherDynamic)")
@@ -182,8 +182,8 @@ def scaled_allocations(allocations, scale: float):
 def block_geometry(template):
     """(the blocks' bytes, each block's tail options (``BlockLayout.tail_sizes``), the non-block bytes) of the
     template's DiT, as the node's discovery and the packing see it (bf16, on the meta device)."""
-    from ..nodes import discovery
-    from ..offload.host.packing import block_parameters, plan_layout
+    from ...nodes import discovery
+    from ...offload.host.packing import block_parameters, plan_layout
 
     dit = meta_patcher(template).model.diffusion_model
     blocks = discovery.discover_blocks(dit).blocks
@@ -196,7 +196,7 @@ def block_geometry(template):
 def our_plan(template, budget_bf16: int, tails: bool = True):
     """(streamed bytes, resident count, policy, largest tail) of the node's plan under ``budget_bf16`` (``tails``:
     streamed tails among the candidates); None where none fits."""
-    from ..offload import Schedule, choose_resident_blocks, largest_fitting, plan_streamed_tails
+    from ...offload import Schedule, choose_resident_blocks, largest_fitting, plan_streamed_tails
 
     sizes, options, non_block = block_geometry(template)
     room = budget_bf16 - non_block
@@ -222,8 +222,8 @@ def unit_geometry(template):
     """(each weight unit's bytes, its tail options, the non-unit bytes) of the template's DiT: the units of the
     blocks the node discovers (``offload/units.py``), residents first, bf16 on the meta device. What no unit
     streams (non-block weights, parameters of modules with weighted children) is counted as placed first."""
-    from ..nodes import discovery
-    from ..offload.units import weight_units
+    from ...nodes import discovery
+    from ...offload.units import weight_units
 
     dit = meta_patcher(template).model.diffusion_model
     units = weight_units(discovery.discover_blocks(dit).blocks).residents_first()
@@ -236,7 +236,7 @@ def our_unit_plan(template, budget_bf16: int):
     ``budget_bf16`` (``plan_weight_units``, prefetch 1: each unit streams while the one before it computes); None
     where none fits. The manager arms this plan as it is (tests/comfy/test_weight_units.py runs it on every tiny
     family); the node does not offer it yet."""
-    from ..offload import plan_weight_units
+    from ...offload import plan_weight_units
 
     sizes, options, rest = unit_geometry(template)
     plan = plan_weight_units(sizes, options, budget_bf16 - rest, prefetch_size=1)
