@@ -46,8 +46,7 @@ __all__ = ["DISK_STALL_BUDGET_S", "HOST_STORES", "PACKING_SLACK_BYTES", "RAM_FLO
            "TierPlan", "freed_by_packing", "plan_host_tiers", "refusal", "shortfall_sum"]
 
 
-# Allocator rounding, Python objects, the packing loop's own temporaries: what packing may take beyond its bytes;
-# kept after packing too, beside what a device in host RAM (the CPU loopback) then takes, for the first forward.
+# Allocator rounding, Python objects, the packing loop's own temporaries: what packing may take beyond its bytes.
 PACKING_SLACK_BYTES = 64 * 2**20
 # Auto keeps this much host memory free after packing (ComfyUI, the sampler and the OS still need some)...
 RAM_MARGIN_BYTES = 512 * 2**20
@@ -106,10 +105,9 @@ class TierPlan:
     tight_ring: RAM leaves no choice but the disk, so the staging ring is of its small chunks (``ring_bytes``
     counts them; ``disk/tier.py`` :data:`TIGHT_CHUNK_BYTES`).
     device_share_bytes: what a device living in host RAM (the CPU loopback) takes from it once the plan is armed,
-    after packing: its streaming slots, residents and scratch (a GPU holds them in VRAM). Packing's peak is gone
-    by then, so the two are weighed apart, each with the slack: packing needs ``peak_bytes``, the armed plan
-    ``growth_bytes`` + ``device_share_bytes``, whichever is more, and the slack beside it (packing's temporaries,
-    then the first forward's).
+    after packing: its streaming slots, residents and scratch (a GPU holds them in VRAM). Packing's peak and its
+    temporaries are gone by then, so the two are weighed apart: packing needs ``peak_bytes`` + its slack, the armed
+    plan ``growth_bytes`` + ``device_share_bytes``.
     """
 
     disk: Tuple[bool, ...]
@@ -128,9 +126,9 @@ class TierPlan:
         return sum(self.disk)
 
     def needed_bytes(self, slack: int = PACKING_SLACK_BYTES) -> int:
-        """The host RAM the plan needs at its most: packing's peak, or the armed plan's growth beside what the
-        device takes from RAM, whichever is more, and the slack."""
-        return max(self.peak_bytes, self.growth_bytes + self.device_share_bytes) + slack
+        """The host RAM the plan needs at its most: packing's peak with its slack, or the armed plan's growth
+        beside what the device takes from RAM, whichever is more."""
+        return max(self.peak_bytes + slack, self.growth_bytes + self.device_share_bytes)
 
     def free_after(self) -> Optional[int]:
         """Host RAM left once packed and armed (None: unknown)."""
@@ -234,7 +232,11 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     padding = sum(p for p, w in zip(padding_bytes or (0,) * n, waiting) if w)
 
     def as_comfyui_alone(candidate: TierPlan) -> bool:
-        return candidate.growth_bytes <= padding and fits(candidate)
+        # Beside a device in host RAM (the CPU loopback) the plan takes the device's share more than ComfyUI alone:
+        # it is as alone only where it still leaves the slack free beside it, for the forward's own temporaries
+        # (ComfyUI alone has them). Where it does not, blocks go to disk and free ComfyUI's copies for the share.
+        leaves_room = not device_share or candidate.free_after() >= slack
+        return candidate.growth_bytes <= padding and fits(candidate) and leaves_room
 
     start = tuple(f and not w for f, w in zip(fixed, waiting))
     in_ram = plan(start)
@@ -325,12 +327,11 @@ def _mib_down(nbytes: int) -> int:
 
 def shortfall_sum(plan: TierPlan, slack: int = PACKING_SLACK_BYTES) -> str:
     """The refusal's figures in one sum a user can check, in whole MiB (what is needed rounded up, what is
-    available rounded down, the difference of the two as shown): what binds, packing's peak or the armed plan
-    beside what the CPU loopback takes from RAM, with the slack, against what is available."""
+    available rounded down, the difference of the two as shown): what binds, packing's peak with its slack or
+    the armed plan beside what the CPU loopback takes from RAM, against what is available."""
     available = _mib_down(plan.available_bytes or 0)
-    kept = _mib_up(slack)
-    if plan.peak_bytes >= plan.growth_bytes + plan.device_share_bytes:
-        peak = _mib_up(plan.peak_bytes)
+    if plan.peak_bytes + slack >= plan.growth_bytes + plan.device_share_bytes:
+        peak, kept = _mib_up(plan.peak_bytes), _mib_up(slack)
         need = peak + kept
         what = (f"packing the blocks needs {peak} MiB at its peak (ComfyUI's copy of each block is freed as it is "
                 f"packed) + {kept} MiB kept for packing's own temporaries = {need} MiB")
@@ -338,15 +339,14 @@ def shortfall_sum(plan: TierPlan, slack: int = PACKING_SLACK_BYTES) -> str:
         share = _mib_up(plan.device_share_bytes)
         if plan.growth_bytes >= 0:
             growth = _mib_up(plan.growth_bytes)
-            need = growth + share + kept
+            need = growth + share
             what = (f"the packed blocks add {growth} MiB + the CPU loopback's streaming slots and residents take "
-                    f"{share} MiB of RAM (VRAM on a GPU) + {kept} MiB kept for the first forward's temporaries = "
-                    f"{need} MiB")
+                    f"{share} MiB of RAM (VRAM on a GPU) = {need} MiB")
         else:
             freed = _mib_down(-plan.growth_bytes)
-            need = share - freed + kept
+            need = share - freed
             what = (f"the CPU loopback's streaming slots and residents take {share} MiB of RAM (VRAM on a GPU) - "
-                    f"packing frees {freed} MiB + {kept} MiB kept for the first forward's temporaries = {need} MiB")
+                    f"packing frees {freed} MiB = {need} MiB")
     return f"{what}, but {available} MiB is available: {need - available} MiB short"
 
 

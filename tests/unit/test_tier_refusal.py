@@ -42,9 +42,10 @@ def host_side(tmp_path, modules, available, device_share=0, host_store="auto"):
 
 
 def test_the_loopbacks_slots_are_weighed_after_packing_not_beside_its_peak(tmp_path):
-    """Room for packing's peak (a chunk and the slack) and, once packed, for the slots and the slack beside what
-    packing leaves, but not for the peak and the slots at once: the plan packs (blocks on disk: RAM leaves no
-    choice, and each one's packing frees ComfyUI's copy for the slots), bitwise, and says what the slots take."""
+    """Room for packing's peak (a chunk and the slack) and, once packed, for the slots beside what packing leaves,
+    but not for the peak and the slots at once: the plan packs, bitwise, and says what the slots take. Every block
+    in RAM would fit but leave less than the slack beside the slots for the forward (a 2.05 GiB Wan at 2.75 GiB
+    that way was OOM-killed in its first step): blocks go to disk, each one's packing freeing ComfyUI's copy."""
     modules = blocks(24)
     expected = [module.weight.detach().clone() for module in modules]
     slots = 96 * MiB  # more than the slack
@@ -58,6 +59,7 @@ def test_the_loopbacks_slots_are_weighed_after_packing_not_beside_its_peak(tmp_p
     host.pack(host.outdated(params), params, point_at_host_copy)
     plan = host.tier_plan
     assert plan.disk_blocks > 0 and plan.device_share_bytes == slots and plan.available_bytes == available
+    assert plan.free_after() >= PACKING_SLACK_BYTES
     assert plan.peak_bytes + PACKING_SLACK_BYTES <= available  # packing: one block's chunk at a time
     assert plan.growth_bytes + slots + PACKING_SLACK_BYTES <= available < BLOCK + slots
     assert "beside the 96 MiB the CPU loopback's slots and residents take" in plan.reason, plan.reason
