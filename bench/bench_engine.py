@@ -132,7 +132,7 @@ def bench_copies(device: torch.device, num_blocks: int, block_bytes: int, repeat
         model(x)
         if cuda:  # count the copies this forward queued ahead (the wrap-around prefetch) in its time too
             # Looks inside: the manager's copy stream, which a forward leaves running by design.
-            torch.cuda.current_stream(device).wait_stream(manager.backend.copy_stream)
+            torch.cuda.current_stream(device).wait_stream(manager.engine.backend.copy_stream)
 
     per_forward = {"bytes": [], "copy_seconds": []}
     samples = {"plain_copy": [], "manager_forward": []}
@@ -362,7 +362,7 @@ def _disk(args, device: torch.device, usual_chunk: int) -> dict:
     grown = anon_rss() - before
     stats = manager.stats()
     # Looks inside: the cache file's path and the tier's request size, to time a plain read of the same file.
-    cache = manager.host.disk
+    cache = manager.engine.host.disk
     source_path = checkpoint.path if checkpoint is not None else cache.file.path
     plain = plain_direct_read(source_path, usual_chunk)
     tier_gbps = stats.disk_bytes_read / stats.disk_read_seconds / 1e9 if stats.disk_read_seconds else 0.0

@@ -135,7 +135,7 @@ class _CopyLog(TorchDispatchMode):
 
     def _block_of(self, dst: torch.Tensor) -> Tuple[bool, Optional[int]]:
         """(whether ``dst`` is in the manager's device memory, the block it belongs to)."""
-        memory = self.manager.device_memory
+        memory = self.manager.engine.device_memory
         pointer = dst.untyped_storage().data_ptr()
         for index, buffer in memory.residents.items():
             if buffer.untyped_storage().data_ptr() == pointer:
@@ -231,7 +231,7 @@ class _Session:
         self.model = _Model(num_blocks, device)
         manager = LayerwiseOffloadManager(list(self.model.blocks), "cpu", pin_memory=True, environment=HostEnvironment(
             pinner=_AnyPinner(), available_host_bytes=lambda: 2 ** 40), backend=_recording_backend(device))
-        manager.copier.bounce_bytes = 4096
+        manager.engine.copier.bounce_bytes = 4096
         manager.attach(self.model)
         self.manager = manager
 

@@ -402,13 +402,13 @@ class CudaStandIn:
     def drive(self, manager) -> "CudaStandIn":
         """Tell device from host memory for ``manager``: its device buffers are tracked as they are allocated, its
         host store's buffers are host memory, and its forwards are device work."""
-        memory = manager.device_memory
+        memory = manager.engine.device_memory
         allocate = memory.allocate
 
         def tracked(nbytes: int) -> torch.Tensor:
             return self.track_device(allocate(nbytes), "the manager's device memory")
         memory.allocate = tracked
-        begin, end = manager.begin_forward, manager.end_forward
+        begin, end = manager.engine.begin_forward, manager.engine.end_forward
 
         def begin_forward():
             self.forwards += 1
@@ -417,7 +417,7 @@ class CudaStandIn:
         def end_forward(completed: bool = True):
             self.forwards -= 1
             end(completed)
-        manager.begin_forward, manager.end_forward = begin_forward, end_forward
+        manager.engine.begin_forward, manager.engine.end_forward = begin_forward, end_forward
         self.watch_host_memory(lambda: [b for b in (manager.store.buffers if manager.store is not None else ())
                                         if b is not None])
         return self

@@ -77,7 +77,7 @@ class Checked:
 
     @property
     def backend(self):
-        return self.manager.backend
+        return self.manager.engine.backend
 
 
 def halve_on_the_device(cuda: CudaStandIn, transforms: list):
@@ -175,29 +175,29 @@ def track_issuing_hook(checked: Checked) -> None:
     issued it, whether its source was page-locked as the stand-in saw it). A copy's source is its block's host
     buffer (page-locked as the store says) or, for a resident, the page-locked bounce ring."""
     manager, cuda = checked.manager, checked.cuda
-    backend = manager.backend
+    backend = manager.engine.backend
     state = {"issuing": None, "copying": None}
     for name, phase in (("before_block", "pre"), ("after_block", "post")):
-        def wrapped(index, original=getattr(manager, name), phase=phase):
+        def wrapped(index, original=getattr(manager.engine, name), phase=phase):
             state["issuing"] = (phase, index)
             try:
                 return original(index)
             finally:
                 state["issuing"] = None
-        setattr(manager, name, wrapped)
-    original_copy, copy_in = backend.copy, manager.copier.copy
+        setattr(manager.engine, name, wrapped)
+    original_copy, copy_in = backend.copy, manager.engine.copier.copy
 
     def copying(backend_, index, *args, **kwargs):
         state["copying"] = index
         return copy_in(backend_, index, *args, **kwargs)
-    manager.copier.copy = copying
+    manager.engine.copier.copy = copying
 
     def copy(dst, src, after=None, then=None):
         pinned = cuda.is_pinned(src)
         block = next((i for i, b in enumerate(manager.store.buffers)
                       if b.data_ptr() <= src.data_ptr() < b.data_ptr() + b.numel()), None)
         if block is None:  # a resident's chunk, from the page-locked bounce ring (offload/device/resident_copy.py)
-            bounce = [b.data_ptr() for b in manager.copier.bounce.buffers]
+            bounce = [b.data_ptr() for b in manager.engine.copier.bounce.buffers]
             assert src.data_ptr() in bounce, "a copy from neither the store nor the bounce ring"
             assert pinned, "a copy from a bounce buffer that is not page-locked"
         else:

@@ -40,7 +40,7 @@ def test_compiled_forwards_do_not_recompile(loopback):
     # The same hooks stay installed (dynamo may guard on hook dicts; torch 2.14 here does not recompile on
     # re-added hooks, so the count alone would not catch hooks that come and go), switched off between runs.
     assert [(tuple(b._forward_pre_hooks), tuple(b._forward_hooks)) for b in blocks] == hooks
-    assert controller.manager.hooks.installed and not controller.manager.hooks.active
+    assert controller.manager.engine.hooks.installed and not controller.manager.engine.hooks.active
     assert controller.manager.stats().copies_last_forward > 0  # the hooks did stream the blocks
 
 

@@ -31,7 +31,7 @@ def offloaded_with_lora(resident_layers):
                             "leading", False)
     want = tiny_dits.sample(comfy.sd.load_lora_for_models(tiny_dits.build_wan21(), None, lora, 0.8, 0)[0])
     assert torch.equal(tiny_dits.sample(patcher), want)  # the same bits as ComfyUI's full load with the LoRA
-    return patcher, patcher.attachments["layerwise_offload"].manager.copier.transform, want
+    return patcher, patcher.attachments["layerwise_offload"].manager.engine.copier.transform, want
 
 
 def tensors_of(value):

@@ -63,7 +63,7 @@ def test_the_lora_is_queued_on_its_own_stream_with_no_host_sync(monkeypatch):
 
     manager.release_all()  # every block is copied again, through the stand-in
     cuda = new_cuda()
-    manager.backend = backend_over(cuda)  # looks inside: the CUDA stand-in takes the node's device's place
+    manager.engine.backend = backend_over(cuda)  # looks inside: the CUDA stand-in takes the node's device's place
     cuda.drive(manager)
     syncs = []
     for kind in (cuda_standin.Event, cuda_standin.Stream):

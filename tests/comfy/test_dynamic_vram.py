@@ -164,12 +164,12 @@ def test_buffers_are_allocated_outside_the_models_forward():
         inside.pop()
     diffusion_model.register_forward_pre_hook(lambda module, args: inside.append(True))
     diffusion_model.register_forward_hook(leave)
-    allocate, allocations = manager.device_memory.allocate, []
+    allocate, allocations = manager.engine.device_memory.allocate, []
 
     def watched(nbytes):
         allocations.append(bool(inside))
         return allocate(nbytes)
-    manager.device_memory.allocate = watched  # looks inside: every device allocation, to see when it happens
+    manager.engine.device_memory.allocate = watched  # looks inside: every device allocation, to see when it happens
     tiny_dits.sample(model, seed=3)
     assert allocations and not any(allocations)
 

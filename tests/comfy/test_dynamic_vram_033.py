@@ -205,7 +205,7 @@ def test_streamed_tails_through_the_templates_chain(files, monkeypatch):
                         lambda dev=None, torch_free_too=False: (free, free) if torch_free_too else free)
     monkeypatch.setattr(run_planning, "available_host_bytes", lambda: None)
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
-    assert isinstance(manager.config.streamed_tail_bytes, tuple) and manager.device_memory.heads
+    assert isinstance(manager.config.streamed_tail_bytes, tuple) and manager.engine.device_memory.heads
     assert manager.stats().bytes_copied_last_forward == sum(manager.block_tails())
     monkeypatch.undo()
     mm.unload_all_models()

@@ -75,7 +75,7 @@ def inject_inside_block(offloaded, source):
 
 
 def _wrap_copy(manager, before_copy):
-    backend = manager.backend
+    backend = manager.engine.backend
     original = backend.copy
 
     def copy(dst, src, after=None, then=None):
@@ -97,7 +97,7 @@ def inject_during_copy(offloaded, source):
 def inject_during_device_lora(offloaded, source):
     manager = manager_of(offloaded)
     tick, calls = fail_once_at(3)
-    transform = manager.copier.transform
+    transform = manager.engine.copier.transform
     assert transform is not None, "the device-side LoRA must be active for this stage"
 
     class Failing:
@@ -107,11 +107,11 @@ def inject_during_device_lora(offloaded, source):
             tick()
             return transform(index, weights)
     # Looks inside: set_after_copy would release every block (a new transform), which moves the failure elsewhere.
-    manager.copier.transform = Failing()
+    manager.engine.copier.transform = Failing()
 
     class Undo:
         def remove(self):
-            manager.copier.transform = transform
+            manager.engine.copier.transform = transform
     return Undo()
 
 

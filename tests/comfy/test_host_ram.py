@@ -105,7 +105,7 @@ def test_the_node_refuses_only_what_packing_really_adds(monkeypatch, tmp_path):
     offloaded = offload_model(model, 2, 1, "strided", True, "disk")
     assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want)
     controller = controller_of(offloaded)
-    assert controller.manager.host.tiers() == ["disk"] * len(blocks)
+    assert controller.manager.engine.host.tiers() == ["disk"] * len(blocks)
     tiers = block_tiers(controller.manager.stats())  # what the Stats node's block map draws
     assert (tiers.count("R"), tiers.count("D"), tiers.count("S")) == (2, len(blocks) - 2, 0)
     figures = controller.last_report.figures()  # the run line and the stats text
@@ -137,7 +137,7 @@ def test_auto_weighs_the_disks_read_rate_and_the_stats_node_says_why(monkeypatch
     _available(monkeypatch, RAM_MARGIN_BYTES + sum(t.nbytes for t in held) - 1)
     offloaded = offload_model(model, 1, 1, "leading", True, "auto")
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
-    tiers = controller_of(offloaded).manager.host.tiers()
+    tiers = controller_of(offloaded).manager.engine.host.tiers()
     on_disk = tiers.count("disk")
     assert tiers == ["ram"] * (len(blocks) - on_disk) + ["disk"] * on_disk and (on_disk > 0) == fast
     text, data = stats_view(offloaded)
@@ -164,7 +164,7 @@ def test_on_the_cpu_loopback_the_host_store_leaves_the_devices_ram(monkeypatch, 
     sizes = manager.block_nbytes()
     device = manager.planned_device_bytes()
     assert device == sizes[0] + 2 * max(sizes[1:])  # one resident, two slots of prefetch 1
-    plan = manager.host.tier_plan
+    plan = manager.engine.host.tier_plan
     # weighed after packing, beside what packing leaves: packing's own peak is gone when the slots are taken
     assert plan.available_bytes == available and plan.device_share_bytes == device
     assert plan.free_after() == available - plan.growth_bytes - device
@@ -178,7 +178,7 @@ def test_on_the_cpu_loopback_the_host_store_leaves_the_devices_ram(monkeypatch, 
     tiny_dits.sample(offloaded, seed=3)
     controller = controller_of(offloaded)
     assert controller.device_lora_scratch > 0
-    assert controller.manager.host.tier_plan.device_share_bytes == (
+    assert controller.manager.engine.host.tier_plan.device_share_bytes == (
         controller.manager.planned_device_bytes() + controller.device_lora_scratch)
     mm.unload_all_models()
 
@@ -248,6 +248,6 @@ def test_force_patch_weights_bakes_the_lora_into_what_comfyui_reads():
     assert got.keys() == want.keys()
     for key in want:
         assert torch.equal(got[key], want[key]), f"{key}: not ComfyUI's patched weight"
-    assert controller_of(offloaded).manager.copier.transform is None
+    assert controller_of(offloaded).manager.engine.copier.transform is None
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), want_out)
-    assert controller_of(offloaded).manager.copier.transform is not None
+    assert controller_of(offloaded).manager.engine.copier.transform is not None

@@ -104,7 +104,7 @@ def test_behind_the_offload_node_disk_blocks_read_the_checkpoint_and_nothing_is_
         read.append((manager_of(offloaded).stats().disk_bytes_read, manager_of(offloaded).stats().forwards))
     manager = manager_of(offloaded)
     stats = manager.stats()
-    assert manager.host.tiers() == ["disk"] * BLOCK_COUNT and stats.host_bytes == 0
+    assert manager.engine.host.tiers() == ["disk"] * BLOCK_COUNT and stats.host_bytes == 0
     assert stats.disk_checkpoint_blocks == BLOCK_COUNT and written(disk_dir) == []
     streamed = sum(manager.block_nbytes()[i] for i in manager.schedule.streamed_blocks)
     assert read[1][0] - read[0][0] == (read[1][1] - read[0][1]) * streamed > 0
@@ -120,7 +120,7 @@ def test_lora_on_the_device_keeps_the_file_source_and_a_bake_falls_back_to_the_c
                               "disk")
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
     manager = manager_of(offloaded)
-    assert manager.copier.transform is not None  # the device LoRA: the host keeps the file's weights
+    assert manager.engine.copier.transform is not None  # the device LoRA: the host keeps the file's weights
     assert manager.stats().disk_checkpoint_blocks == BLOCK_COUNT and written(disk_dir) == []
     mm.load_models_gpu([offloaded], force_patch_weights=True)  # ComfyUI wants real patched weights: a bake
     assert manager.stats().disk_checkpoint_blocks == 0 and manager.stats().disk_blocks == BLOCK_COUNT

@@ -83,16 +83,16 @@ def test_residents_survive_prompts_and_go_with_unload_all_models():
     manager = manager_of(model)
     tiny_dits.sample(model, seed=3)
     assert manager.materialized_blocks()[:2] == [0, 1]
-    copies_after_first = list(manager.counters.copies_per_block)
+    copies_after_first = list(manager.engine.counters.copies_per_block)
     assert torch.equal(tiny_dits.sample(model, seed=3), baseline("wan21"))
-    assert manager.counters.copies_per_block[:2] == copies_after_first[:2]  # residents never copied again
-    assert manager.counters.copies_per_block[2] > copies_after_first[2]
+    assert manager.engine.counters.copies_per_block[:2] == copies_after_first[:2]  # residents never copied again
+    assert manager.engine.counters.copies_per_block[2] > copies_after_first[2]
     assert manager.prepare() == []  # ComfyUI moved no block weight behind the manager's back
     assert manager.device_bytes() > 0
     mm.unload_all_models()
     assert manager.device_bytes() == 0
     assert manager.materialized_blocks() == []
-    assert not manager.hooks.installed
+    assert not manager.engine.hooks.installed
     assert torch.equal(tiny_dits.sample(model, seed=3), baseline("wan21"))
 
 
@@ -119,7 +119,7 @@ def test_partially_unload_demotes_residents_and_returns_the_device_memory():
     block = manager.block_nbytes()[0]
     held = manager.device_bytes()
     assert held == 4 * block  # 3 residents + 1 slot (one streamed block needs no second slot)
-    copies_of_block_0 = manager.counters.copies_per_block[0]
+    copies_of_block_0 = manager.engine.counters.copies_per_block[0]
     # 2 residents would need 2 slots (4 blocks, nothing saved); 1 resident + 2 slots saves one block. The resident
     # that stays keeps its buffer; the leaving two and the one-slot ring (the plan needs two slots) are freed now.
     assert model.partially_unload(model.offload_device, block) == 3 * block
@@ -129,7 +129,7 @@ def test_partially_unload_demotes_residents_and_returns_the_device_memory():
     assert model.loaded_size() == controller_of(model).non_block_bytes() + block
     assert torch.equal(tiny_dits.sample(model, seed=3), baseline("wan21"))
     # ComfyUI's next load allowed the whole plan again: blocks 1 and 2 came back, block 0 was never copied again.
-    assert manager.counters.copies_per_block[0] == copies_of_block_0
+    assert manager.engine.counters.copies_per_block[0] == copies_of_block_0
     assert manager.device_bytes() == held
 
 

@@ -89,7 +89,7 @@ def test_gguf_offloaded_equals_comfyui_gguf(gguf, qtype, host_store, monkeypatch
         for resident, policy in ((0, "leading"), (2, "strided")):
             offloaded = offload_model(with_lora(model) if lora else model, resident, 1, policy, True, host_store)
             assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), expected), (lora, resident)
-            assert offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager.host.tiers() == (
+            assert offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager.engine.host.tiers() == (
                 [host_store] * NUM_BLOCKS)
             assert weight_kinds(offloaded) == {("GGMLTensor", qtype)}
             manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
@@ -100,7 +100,7 @@ def test_gguf_offloaded_equals_comfyui_gguf(gguf, qtype, host_store, monkeypatch
             if host_store == "disk":
                 # ComfyUI-GGUF maps the .gguf read-only and its weights are views of it: the disk tier reads the
                 # blocks from that file, byte for byte, and writes no cache file.
-                disk = manager.host.disk
+                disk = manager.engine.host.disk
                 assert sorted(disk.extents) == list(range(NUM_BLOCKS))
                 assert {path for extents in disk.extents.values() for path, *_ in extents} == {
                     os.path.realpath(folder_paths.get_full_path("diffusion_models", f"tiny_wan21_{qtype}.gguf"))}
@@ -154,7 +154,7 @@ def test_comfyui_gguf_never_copies_offloaded_blocks_out_of_its_mapping(gguf, mon
     tiny_dits.sample(offloaded, seed=3, family="wan21", steps=1)
     assert calls == []
     manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
-    assert sorted(manager.host.disk.extents) == list(range(NUM_BLOCKS))  # every block's host copy: the .gguf
+    assert sorted(manager.engine.host.disk.extents) == list(range(NUM_BLOCKS))  # every block's host copy: the .gguf
     mm.unload_all_models()
     # After the unload the blocks are the file's tensors again, where ComfyUI-GGUF left them.
     assert {name: param.data_ptr() for name, param in model.model.diffusion_model.blocks.named_parameters()} == mapped

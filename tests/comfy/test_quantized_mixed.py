@@ -102,7 +102,7 @@ def test_fp8_mixed_offloaded_equals_comfyui(fp8_mixed_file, lora, host_store, mo
         offloaded = offload_model(with_lora(model) if lora else model, resident, prefetch, policy, True, host_store)
         assert torch.equal(tiny_dits.sample(offloaded, seed=3, family="wan21"), want), (resident, policy)
         manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
-        assert manager.host.tiers() == [host_store] * NUM_BLOCKS
+        assert manager.engine.host.tiers() == [host_store] * NUM_BLOCKS
         stats = manager.stats()
         streamed = [i for i in range(NUM_BLOCKS) if not manager.schedule.resident[i]]
         assert stats.copies_last_forward == len(streamed)

@@ -91,19 +91,19 @@ def test_auto_streams_tails_bitwise_and_fewer_bytes_than_whole_blocks(budget, lo
 
     # The next run, with a little more room: a plan streaming a little less would fit, but the tails held still fit
     # and are kept, no head moves.
-    heads, held = dict(manager.device_memory.heads), manager.config.streamed_tail_bytes
+    heads, held = dict(manager.engine.device_memory.heads), manager.config.streamed_tail_bytes
     copies = manager.stats().resident_copies
     budget[0] += int(0.05 * sum(sizes)) - manager.device_bytes()  # what we hold counts as free to our plan
     assert torch.equal(tiny_dits.sample(model, seed=3), want)
-    assert heads and manager.device_memory.heads, "ComfyUI unloaded the model between runs: nothing was held"
+    assert heads and manager.engine.device_memory.heads, "ComfyUI unloaded the model between runs: nothing was held"
     assert manager.stats().resident_copies == copies
-    assert all(manager.device_memory.heads[i] is heads[i] for i in heads)
+    assert all(manager.engine.device_memory.heads[i] is heads[i] for i in heads)
     assert manager.config.streamed_tail_bytes == held
 
     # Room for the whole model: no tails, every block resident.
     budget[0] = overhead() + 2 * sum(sizes)
     assert torch.equal(tiny_dits.sample(model, seed=3), want)
-    assert manager.config.streamed_tail_bytes == 0 and not manager.device_memory.heads
+    assert manager.config.streamed_tail_bytes == 0 and not manager.engine.device_memory.heads
     assert len(manager.schedule.resident_blocks) == len(sizes)
 
 
@@ -120,5 +120,5 @@ def test_without_a_card_auto_streams_whole_blocks(monkeypatch):
                         lambda dev=None, torch_free_too=False: (free, free) if torch_free_too else free)
     monkeypatch.setattr(run_planning, "available_host_bytes", lambda: None)
     assert torch.equal(tiny_dits.sample(model, seed=3), want)
-    assert manager.config.streamed_tail_bytes == 0 and not manager.device_memory.heads
+    assert manager.config.streamed_tail_bytes == 0 and not manager.engine.device_memory.heads
     mm.unload_all_models()

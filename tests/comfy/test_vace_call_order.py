@@ -37,7 +37,7 @@ def test_vace_interleaved_blocks_are_prefetched_in_the_order_they_run():
     manager = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager
     assert manager.num_blocks == 6
     assert torch.equal(sample(offloaded), want)  # the first forward learns the order
-    assert manager.calls.learned_calls == (0, 4, 1, 2, 5, 3)
+    assert manager.engine.calls.learned_calls == (0, 4, 1, 2, 5, 3)
     before = manager.stats()
     assert torch.equal(sample(offloaded), want)
     after = manager.stats()

@@ -152,7 +152,7 @@ CHILD = textwrap.dedent("""
         del lines[:]
         with torch.no_grad():
             same = bool(torch.equal(model(x), want))
-        result[name] = {"tiers": manager.host.tiers(), "same": same, "block_bytes": max(sizes),
+        result[name] = {"tiers": manager.engine.host.tiers(), "same": same, "block_bytes": max(sizes),
                         "plan": [line for line in lines if "host store:" in line]}
         manager.detach()
     print(json.dumps(result))

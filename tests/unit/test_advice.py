@@ -98,7 +98,7 @@ def test_block_map_in_call_order_with_room_for_a_disk_tier():
     blocks = [nn.Linear(8, 8) for _ in range(5)]
     manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=2, prefetch_size=1, policy="strided")
     manager.prepare()
-    manager.arm()
+    manager.engine.arm()
     stats = manager.stats()
     resident = {i for i, tier in enumerate(stats.block_tiers) if tier == "resident"}
     assert resident == {i for i, kept in enumerate(choose_resident_blocks(5, 2, "strided")) if kept}
@@ -111,7 +111,7 @@ def test_block_map_shows_blocks_on_disk(tmp_path):
     manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=2, prefetch_size=1, policy="strided",
                                       host_store="disk", environment=HostEnvironment(disk_folder=str(tmp_path)))
     manager.prepare()
-    manager.arm()
+    manager.engine.arm()
     stats = manager.stats()
     resident = {i for i, tier in enumerate(stats.block_tiers) if tier == "resident"}
     assert len(resident) == 2

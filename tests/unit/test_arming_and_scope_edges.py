@@ -15,7 +15,7 @@ def x():
 
 
 def out_of_memory_on(call_number, manager):
-    allocate = manager.device_memory.allocate
+    allocate = manager.engine.device_memory.allocate
     calls = 0
 
     def failing(nbytes):
@@ -35,13 +35,13 @@ def test_out_of_memory_while_arming_leaves_a_usable_manager(x, failing_allocatio
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", root=model, resident_layers=2,
                                       prefetch_size=1)
     # Looks inside: an out-of-memory at a chosen device allocation, which no CPU run would raise on its own.
-    manager.device_memory.allocate = out_of_memory_on(failing_allocation, manager)
+    manager.engine.device_memory.allocate = out_of_memory_on(failing_allocation, manager)
     with torch.no_grad(), pytest.raises(torch.OutOfMemoryError):
         model(x)
     assert not manager.armed
     assert manager.device_bytes() == 0 and not manager.materialized_blocks()
-    assert manager.hooks.installed
-    del manager.device_memory.allocate  # the memory is back
+    assert manager.engine.hooks.installed
+    del manager.engine.device_memory.allocate  # the memory is back
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(x), want)
@@ -74,7 +74,7 @@ def test_copies_pending_when_a_forward_ends_are_waited_on_before_outside_reads(x
     with cuda.running(), torch.no_grad():
         for _ in range(2):
             model(x)
-            assert bool(manager.device_memory.heads) == bool(tails)
+            assert bool(manager.engine.device_memory.heads) == bool(tails)
             prefetched = [i for i in manager.materialized_blocks() if not manager.schedule.resident[i]]
             assert prefetched  # the look-ahead wrapped into the next forward
             assert not any(manager.points_at_device(i) for i in prefetched)
@@ -93,7 +93,7 @@ def test_the_checker_catches_an_outside_read_of_bytes_in_flight(x):
     with cuda.running(), torch.no_grad():
         model(x)
         index = next(i for i in manager.materialized_blocks() if not manager.schedule.resident[i])
-        manager._point_at(index, manager.states.to_point(index))  # looks inside: points it early
+        manager.engine.mover.point_at(index, manager.engine.states.to_point(index))  # looks inside: points it early
         with pytest.raises(CudaRuleBroken, match="on the compute stream may read the manager's device memory that "
                                                  "a copy to the device on the copy stream may still write"):
             model.blocks_in_call_order()[index].mix.weight.sum()
@@ -113,7 +113,7 @@ def test_the_compute_stream_does_not_wait_for_the_next_forwards_prefetch(x, resi
             prefetched = [i for i in manager.materialized_blocks() if not manager.schedule.resident[i]]
             assert prefetched
             for index in prefetched:
-                slot = manager.device_memory.slots[manager.device_memory.block_slot[index]]
+                slot = manager.engine.device_memory.slots[manager.engine.device_memory.block_slot[index]]
                 span = (slot.data_ptr(), slot.data_ptr() + slot.numel())
                 writer = [u for u in cuda.uploads if overlaps(u.dst, span)][-1]
                 assert not happens_before(writer.clock, cuda.compute.clock), (

@@ -39,7 +39,7 @@ def streamed_bytes(manager, order, prefetch):
 @pytest.mark.parametrize("resident", [0, 2])
 def test_an_interleaved_order_makes_no_demand_copies_after_the_first_forward(resident, prefetch):
     manager, per_forward = run(VACE_LIKE, resident, prefetch, forwards=4)
-    assert manager.calls.learned_calls == tuple(VACE_LIKE)
+    assert manager.engine.calls.learned_calls == tuple(VACE_LIKE)
     for demand, moved in per_forward[2:]:
         assert demand == 0
         assert moved == streamed_bytes(manager, VACE_LIKE, prefetch)
@@ -80,7 +80,7 @@ def test_a_changed_order_is_learned_again():
             for _ in range(3):
                 demand = manager.stats().demand_copies
                 model(x)
-            assert manager.calls.learned_calls == tuple(order)
+            assert manager.engine.calls.learned_calls == tuple(order)
             assert manager.stats().demand_copies == demand  # the last forward of each order
     manager.detach()
 
@@ -99,12 +99,12 @@ def test_an_interrupted_forward_is_not_learned():
             raise KeyboardInterrupt
     handle = model.blocks_in_call_order()[1].register_forward_pre_hook(interrupt)
     with torch.no_grad():
-        with manager.hooks.forward_scope():
+        with manager.engine.hooks.forward_scope():
             model(x)
-        with pytest.raises(KeyboardInterrupt), manager.hooks.forward_scope():
+        with pytest.raises(KeyboardInterrupt), manager.engine.hooks.forward_scope():
             model(x)  # ran blocks 0 and 4, then stopped
     handle.remove()
-    assert manager.calls.learned_calls == tuple(VACE_LIKE)
+    assert manager.engine.calls.learned_calls == tuple(VACE_LIKE)
 
 
 def test_call_order_look_ahead():

@@ -152,7 +152,7 @@ def test_a_converted_block_and_a_baked_one_fall_back_to_the_cache_file(tmp_path,
     manager.attach(model)
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
-    assert sorted(manager.host.disk.extents) == [i for i in range(NUM_BLOCKS) if i != 2]
+    assert sorted(manager.engine.host.disk.extents) == [i for i in range(NUM_BLOCKS) if i != 2]
     assert len(cache_files(tmp_path / "cache")) == 1
     # A bake swaps a block's parameters for new tensors (ComfyUI's patch_weight_to_device): that block is
     # repacked, into the cache file.
@@ -163,7 +163,7 @@ def test_a_converted_block_and_a_baked_one_fall_back_to_the_cache_file(tmp_path,
         want_model.blocks_in_call_order()[4].mix.weight.copy_(patched)
         want = want_model(sample_input)
     assert manager.prepare() == [4]
-    assert 4 not in manager.host.disk.extents and manager.host.disk.holds(4)
+    assert 4 not in manager.engine.host.disk.extents and manager.engine.host.disk.holds(4)
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
     manager.detach()
@@ -181,9 +181,9 @@ def test_auto_packs_ram_blocks_from_the_mapping_and_reads_the_rest_from_the_file
     manager.attach(model)
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
-    tiers = manager.host.tiers()
+    tiers = manager.engine.host.tiers()
     assert tiers == ["ram"] * 3 + ["disk"] * 4
-    assert sorted(manager.host.disk.extents) == [i for i, t in enumerate(tiers) if t == "disk"]
+    assert sorted(manager.engine.host.disk.extents) == [i for i, t in enumerate(tiers) if t == "disk"]
     assert all(not is_mapped(manager.store.buffers[i]) for i, t in enumerate(tiers) if t == "ram")
     manager.detach()
 
@@ -207,6 +207,6 @@ def test_a_few_converted_bytes_stay_in_ram_and_the_rest_of_the_block_still_reads
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(model(sample_input), want)
-    assert sorted(manager.host.disk.extents) == list(range(NUM_BLOCKS)) and list(manager.host.disk.kept) == [3]
+    assert sorted(manager.engine.host.disk.extents) == list(range(NUM_BLOCKS)) and list(manager.engine.host.disk.kept) == [3]
     assert not (tmp_path / "cache").exists() or cache_files(tmp_path / "cache") == []
     manager.detach()

@@ -57,12 +57,12 @@ def run_checked(resident, prefetch, policy, tmp_path, break_with=None, source="c
     reads = []  # (block, chunk, staging buffer's first byte) per read started
     with cuda.running(), torch.no_grad():
         manager.prepare()
-        assert bool(manager.host.disk.extents) == (source == "checkpoint")
-        watch_disk_reads(cuda, manager.host.disk, reads)
+        assert bool(manager.engine.host.disk.extents) == (source == "checkpoint")
+        watch_disk_reads(cuda, manager.engine.host.disk, reads)
         if break_with is not None:
-            break_with(manager.host.disk)
+            break_with(manager.engine.host.disk)
         outputs = [model(x) for _ in range(3)]
-    tier = manager.host.disk
+    tier = manager.engine.host.disk
     ring = [(s.buffer.data_ptr(), s.buffer.data_ptr() + s.buffer.numel()) for s in tier.ring]
     assert reads and all(any(begin <= first < end for begin, end in ring) for _, _, first in reads)
     assert any(overlaps(upload.src, span) for upload in cuda.uploads for span in ring)  # copies from the ring

@@ -163,7 +163,7 @@ def test_the_manager_follows_the_setting_and_computes_the_same(tmp_path, monkeyp
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(1))
     with caplog.at_level(logging.INFO, logger="layerwise_offload"), torch.no_grad():
         assert torch.equal(model(x), ToyTransformer()(x))
-    found = manager.host.tiers()
+    found = manager.engine.host.tiers()
     on_disk = found.count("disk")
     assert found == ["ram"] * (len(sizes) - on_disk) + ["disk"] * on_disk and (on_disk > 0) == fast
     line = next(r.getMessage() for r in caplog.records if "host store:" in r.getMessage())
@@ -192,6 +192,6 @@ def test_blocks_read_from_a_checkpoint_measure_the_checkpoints_file_system(tmp_p
                                                                   available_host_bytes=lambda: 2**40))
     manager.prepare()
     assert asked and set(asked) == {str(path)}
-    assert "the disk's read rate is unknown (not measurable on" in manager.host.tier_plan.reason
-    assert "too small to measure" in manager.host.tier_plan.reason
+    assert "the disk's read rate is unknown (not measurable on" in manager.engine.host.tier_plan.reason
+    assert "too small to measure" in manager.engine.host.tier_plan.reason
     manager.detach()

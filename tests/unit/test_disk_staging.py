@@ -229,7 +229,7 @@ def test_where_ram_leaves_no_choice_the_ring_is_of_small_chunks_read_by_every_re
             for _ in range(2):
                 assert torch.equal(model(x), want)
         stats = manager.stats()
-        plan = manager.host.tier_plan
+        plan = manager.engine.host.tier_plan
         assert stats.disk_blocks == BLOCKS and plan.tight_ring == tight, plan
         chunk = disk_tier.TIGHT_CHUNK_BYTES if tight else disk_tier.CHUNK_BYTES
         assert stats.staging_bytes == plan.ring_bytes == disk_tier.STAGING_CHUNKS * chunk

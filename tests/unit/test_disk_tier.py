@@ -47,7 +47,7 @@ def test_disk_blocks_give_the_same_output_and_read_their_stored_bytes_once_per_f
             assert torch.equal(model(sample_input), want)
             read.append(manager.stats().disk_bytes_read)
     stats = manager.stats()
-    assert manager.host.tiers() == ["disk"] * NUM_BLOCKS
+    assert manager.engine.host.tiers() == ["disk"] * NUM_BLOCKS
     assert stats.disk_blocks == NUM_BLOCKS and stats.host_bytes == 0
     assert stats.disk_bytes == sum(manager.block_nbytes())
     sizes = manager.block_nbytes()
@@ -71,13 +71,13 @@ def test_released_host_views_of_disk_blocks_are_the_weights_and_writes_never_rea
     model, manager = offloaded(tmp_path, resident_layers=0, host_store="disk", released_params="host")
     with torch.no_grad():
         model(sample_input)
-    manager.hooks.remove()
+    manager.engine.hooks.remove()
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))
         first = manager.blocks[0].mix.weight
-        before = manager.host.disk.source(0).read()  # the block's bytes as the disk tier reads them
+        before = manager.engine.host.disk.source(0).read()  # the block's bytes as the disk tier reads them
         first.add_(1.0)
-        assert torch.equal(manager.host.disk.source(0).read(), before)
+        assert torch.equal(manager.engine.host.disk.source(0).read(), before)
 
 
 def test_auto_keeps_every_block_in_ram_where_packing_adds_nothing(tmp_path, sample_input):
@@ -88,12 +88,12 @@ def test_auto_keeps_every_block_in_ram_where_packing_adds_nothing(tmp_path, samp
     # block still stays in RAM, which takes no more than ComfyUI's copy did.
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))
-    assert manager.host.tiers() == ["ram"] * NUM_BLOCKS and cache_files(tmp_path) == []
+    assert manager.engine.host.tiers() == ["ram"] * NUM_BLOCKS and cache_files(tmp_path) == []
     free[0] = 2**40
     manager.replan(host_store="ram")  # another setting: every block back in RAM, the file gone
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference(sample_input))
-    assert manager.host.tiers() == ["ram"] * NUM_BLOCKS and cache_files(tmp_path) == []
+    assert manager.engine.host.tiers() == ["ram"] * NUM_BLOCKS and cache_files(tmp_path) == []
 
 
 def test_call_order_other_than_list_order_reads_what_runs(tmp_path):
@@ -159,7 +159,7 @@ def test_a_failed_read_is_raised_once_and_leaves_the_tier_usable(tmp_path, sampl
     with torch.no_grad():
         want = model(sample_input)
     manager.release_all()
-    tier = manager.host.disk
+    tier = manager.engine.host.disk
     real_read = tier.file.read_into
     failures = [OSError(5, "Input/output error")]
 

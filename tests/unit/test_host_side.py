@@ -132,9 +132,9 @@ def test_a_dropped_manager_frees_its_host_copies_by_reference_count_alone(tmp_pa
     with torch.no_grad():
         model(torch.ones(1, 3, 32))
     assert manager.store.built
-    refs = [weakref.ref(manager), weakref.ref(manager.store), weakref.ref(manager.host)]
+    refs = [weakref.ref(manager), weakref.ref(manager.store), weakref.ref(manager.engine.host)]
     manager.release_all()
-    manager.hooks.remove()  # what ComfyUI's unload does (the next load installs them again)
+    manager.engine.hooks.remove()  # what ComfyUI's unload does (the next load installs them again)
     gc.disable()
     try:
         del manager, model

@@ -81,9 +81,9 @@ def test_after_warmup_residents_copy_zero_times_and_streamed_once(sample_input, 
     with torch.no_grad():
         model(sample_input)  # learns the call order
         model(sample_input)
-        before = list(manager.counters.copies_per_block)
+        before = list(manager.engine.counters.copies_per_block)
         model(sample_input)
-    copies = [after - b for after, b in zip(manager.counters.copies_per_block, before)]
+    copies = [after - b for after, b in zip(manager.engine.counters.copies_per_block, before)]
     resident_blocks = set(manager.schedule.resident_blocks)
     assert len(resident_blocks) == resident
     # Streamed blocks that all fit in the slots at once (no more than prefetch_size) stay there.
@@ -171,7 +171,7 @@ def test_release_all_and_detach_leave_nothing_behind(sample_input):
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference_output(sample_input))
     manager.detach()
-    assert not manager.hooks.installed
+    assert not manager.engine.hooks.installed
     assert manager.store is None and manager.device_bytes() == 0
     for block in model.blocks_in_call_order():
         assert not block._forward_pre_hooks and not block._forward_hooks
@@ -192,10 +192,10 @@ def test_replan_changes_the_plan_without_leaking(sample_input):
     with torch.no_grad():
         model(sample_input)
         for resident, prefetch, policy in [(5, 1, "leading"), (2, 3, "strided"), (0, 1, "leading")]:
-            kept, same_prefetch = set(manager.device_memory.residents), prefetch == manager.config.prefetch_size
+            kept, same_prefetch = set(manager.engine.device_memory.residents), prefetch == manager.config.prefetch_size
             manager.replan(resident_layers=resident, prefetch_size=prefetch, policy=policy)
             if same_prefetch:  # only the resident set changed: what stays stays, the rest is released
-                assert set(manager.device_memory.residents) == kept & set(range(resident))
+                assert set(manager.engine.device_memory.residents) == kept & set(range(resident))
             else:
                 assert manager.device_bytes() == 0
             assert torch.equal(model(sample_input), want)
@@ -295,7 +295,7 @@ def test_released_blocks_can_point_at_the_host_store(sample_input, resident):
     model, manager = offloaded(resident_layers=resident, released_params="host")
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference_output(sample_input))
-    manager.hooks.remove()
+    manager.engine.hooks.remove()
     # Without hooks the model still runs: streamed blocks read their host copies.
     with torch.no_grad():
         assert torch.equal(model(sample_input), reference_output(sample_input))

@@ -43,7 +43,7 @@ def setup(resident, monkeypatch):
                                           pinner=pinner, available_host_bytes=lambda: 2**40,
                                           pin_cap=lambda own: cap[0]), backend=backend_over(cuda))
     cuda.drive(manager)
-    backend = manager.backend
+    backend = manager.engine.backend
     backend.full_syncs = []
     sync = backend.copy_stream.synchronize
 
@@ -52,7 +52,7 @@ def setup(resident, monkeypatch):
         sync()
     backend.copy_stream.synchronize = counted_sync
     backend.phase = "outside"
-    original = manager.host.sync_pinning
+    original = manager.engine.host.sync_pinning
 
     def phased(*args):
         backend.phase = "sync_pinning"
@@ -60,7 +60,7 @@ def setup(resident, monkeypatch):
             return original(*args)
         finally:
             backend.phase = "outside"
-    monkeypatch.setattr(manager.host, "sync_pinning", phased)
+    monkeypatch.setattr(manager.engine.host, "sync_pinning", phased)
     manager.attach(model)
     return model, manager, pinner, cuda
 
@@ -88,7 +88,7 @@ def test_a_replan_relocks_only_the_blocks_that_changed_without_a_full_sync(monke
     touched = {(begin, end) for kind, begin, end in pinner.log[since:] if begin in
                {b.data_ptr() for b in manager.store.buffers}}
     assert touched == buffers_in(manager, old ^ new)  # the blocks whose membership changed, nothing else
-    assert "sync_pinning" not in manager.backend.full_syncs
+    assert "sync_pinning" not in manager.engine.backend.full_syncs
     assert not cuda.faults
     manager.detach()
 
@@ -104,10 +104,10 @@ def test_a_smaller_pin_cap_while_copies_are_in_flight_waits_only_for_their_event
         keep = sorted(streamed, reverse=True)[:2]  # _sync_pinning locks the late blocks first
         pinner.cap[0] = sum(manager.store.buffers[i].numel() for i in keep)
         since = len(pinner.log)
-        manager._sync_pinning()
+        manager.engine.sync_pinning()
         assert {kind for kind, *_ in pinner.log[since:]} == {"unregister"}
         assert {(b, e) for _, b, e in pinner.log[since:]} == buffers_in(manager, set(streamed) - set(keep))
-        assert not manager.backend.full_syncs
+        assert not manager.engine.backend.full_syncs
         assert torch.equal(model(x), ToyTransformer()(x))
     assert not cuda.faults
     manager.detach()
@@ -119,7 +119,7 @@ def test_the_checker_catches_an_unlock_under_a_copy_in_flight(monkeypatch):
     with cuda.running(), torch.no_grad():
         model(x)
         pinner.cap[0] = 0
-        monkeypatch.setattr(manager.backend, "wait_host", lambda handle: None)
+        monkeypatch.setattr(manager.engine.backend, "wait_host", lambda handle: None)
         with pytest.raises(CudaRuleBroken, match=r"the host changes host memory \(unpinned\) that a copy on the copy "
                                                  "stream may still read"):
-            manager._sync_pinning()
+            manager.engine.sync_pinning()

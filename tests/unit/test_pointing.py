@@ -59,9 +59,9 @@ def test_a_released_quantized_block_points_at_its_host_copy_and_detach_gives_it_
     store = manager.store.buffers[4]
     begin, end = store.data_ptr(), store.data_ptr() + store.numel()
     assert begin <= block.mix.weight.qdata.data_ptr() < end and begin <= block.gate.data_ptr() < end
-    assert all(manager.params.is_ours(i) for i in range(manager.num_blocks))
+    assert all(manager.engine.params.is_ours(i) for i in range(manager.num_blocks))
     block.up.weight = nn.Parameter(block.up.weight.detach().clone(), requires_grad=False)  # a move by someone else
-    assert not manager.params.is_ours(4) and manager.prepare() == [4]
+    assert not manager.engine.params.is_ours(4) and manager.prepare() == [4]
     manager.detach()
     with torch.no_grad():
         assert torch.equal(model(x), want)
@@ -75,7 +75,7 @@ def test_the_materialized_count_is_what_the_blocks_say():
     seen = []
 
     def check(module, args, output=None):
-        seen.append(manager.states.count == sum(manager.states.materialized))
+        seen.append(manager.engine.states.count == sum(manager.engine.states.materialized))
     for block in model.blocks_in_call_order():
         block.register_forward_pre_hook(check)
         block.register_forward_hook(check)
@@ -83,8 +83,8 @@ def test_the_materialized_count_is_what_the_blocks_say():
         for count in (1, 3, 0, 7, 2):
             manager.replan(resident_layers=count)
             model(x)
-            seen.append(manager.states.count == sum(manager.states.materialized))
+            seen.append(manager.engine.states.count == sum(manager.engine.states.materialized))
     manager.release_all()
-    assert all(seen) and manager.states.count == 0
+    assert all(seen) and manager.engine.states.count == 0
     stats = manager.stats()
     assert stats.peak_materialized_blocks == 7 and stats.device_bytes == 0

@@ -35,7 +35,7 @@ def resident_pointers(model, manager):
     """Each resident's device buffer and where its parameters point."""
     blocks = model.blocks_in_call_order()
     return {i: (buffer.data_ptr(), tuple(p.data_ptr() for p in blocks[i].parameters()))
-            for i, buffer in manager.device_memory.residents.items()}
+            for i, buffer in manager.engine.device_memory.residents.items()}
 
 
 @pytest.mark.parametrize("policy", ["leading", "strided"])
@@ -55,11 +55,11 @@ def test_a_replan_by_one_copies_only_the_blocks_that_join(x, want, policy, prefe
             kept = {i: where for i, where in resident_pointers(model, manager).items() if i in new}
             copies = manager.stats().resident_copies
             manager.replan(resident_layers=count)
-            assert set(manager.device_memory.residents) == old & new  # the leavers' buffers are freed now
+            assert set(manager.engine.device_memory.residents) == old & new  # the leavers' buffers are freed now
             for _ in range(2):
                 assert torch.equal(model(x), want)
             assert manager.stats().resident_copies - copies == len(new - old)
-            assert set(manager.device_memory.residents) == new == set(manager.schedule.resident_blocks)
+            assert set(manager.engine.device_memory.residents) == new == set(manager.schedule.resident_blocks)
             now = resident_pointers(model, manager)
             assert all(now[i] == where for i, where in kept.items())  # same buffer, same views
             assert manager.device_bytes() == manager.planned_device_bytes()
@@ -94,17 +94,17 @@ def test_the_slot_ring_is_kept_unless_its_geometry_changes(x, want):
     sizes = manager.block_nbytes()
     with torch.no_grad():
         model(x)
-        slots = [s.data_ptr() for s in manager.device_memory.slots]
+        slots = [s.data_ptr() for s in manager.engine.device_memory.slots]
         manager.replan(resident_layers=3)
         same = max(sizes[3:]) == max(sizes[2:])
-        assert ([s.data_ptr() for s in manager.device_memory.slots] == slots) == same
+        assert ([s.data_ptr() for s in manager.engine.device_memory.slots] == slots) == same
         assert torch.equal(model(x), want)
         manager.replan(resident_layers=NUM_BLOCKS)  # nothing streams: no ring
-        assert manager.device_memory.slots == []
+        assert manager.engine.device_memory.slots == []
         assert torch.equal(model(x), want)
         assert manager.device_bytes() == sum(sizes)
         manager.replan(resident_layers=5)  # a ring again, the five residents untouched
-        assert set(manager.device_memory.residents) == set(range(5))
+        assert set(manager.engine.device_memory.residents) == set(range(5))
         assert torch.equal(model(x), want)
         assert manager.device_bytes() == manager.planned_device_bytes()
     manager.detach()
@@ -186,7 +186,7 @@ def test_replans_under_the_stream_checker_never_write_a_kept_resident(policy, pr
             return
         count = counts[k % len(counts)]
         manager.replan(resident_layers=count)
-        kept = {i: (b.data_ptr(), b.data_ptr() + b.numel()) for i, b in manager.device_memory.residents.items()}
+        kept = {i: (b.data_ptr(), b.data_ptr() + b.numel()) for i, b in manager.engine.device_memory.residents.items()}
         assert set(kept) <= residents(count, policy)
         snapshots.append((len(checked.cuda.uploads), len(checked.transforms), kept))
 

@@ -29,13 +29,13 @@ def run(resident, prefetch, monkeypatch, refuse_after=None, chunk=4096, break_wa
                                                                   available_host_bytes=lambda: 2**40),
                                       backend=backend_over(cuda))
     cuda.drive(manager)
-    manager.copier.bounce_bytes = chunk  # looks inside: a toy block spans several chunks, so the ring is reused
+    manager.engine.copier.bounce_bytes = chunk  # looks inside: a toy block spans several chunks, so the ring is reused
     fills = []  # (first byte, last byte) of each host write into a bounce buffer
     fill = torch.Tensor.copy_
 
     def watched_fill(tensor, source, *args, **kwargs):
         begin = tensor.data_ptr()
-        if any(b.data_ptr() <= begin < b.data_ptr() + b.numel() for b in getattr(manager.copier.bounce, "buffers", ())):
+        if any(b.data_ptr() <= begin < b.data_ptr() + b.numel() for b in getattr(manager.engine.copier.bounce, "buffers", ())):
             fills.append(byte_span(tensor))
         return fill(tensor, source, *args, **kwargs)
     if break_waits:
@@ -61,7 +61,7 @@ def test_residents_are_copied_from_page_locked_memory_in_order(monkeypatch, resi
     assert fills and sum(end - begin for begin, end in fills) == resident_bytes  # every resident byte, once
     assert all(upload.pinned for upload in cuda.uploads), "a copy read pageable host memory"
     assert not cuda.pageable_async
-    assert manager.copier.bounce is None  # the ring is unlocked once its copies are done
+    assert manager.engine.copier.bounce is None  # the ring is unlocked once its copies are done
     streamed = [manager.store.buffers[i] for i in manager.schedule.streamed_blocks]
     assert cuda.pinned_spans() == sorted(byte_span(b) for b in streamed)  # residents stay pageable
     manager.detach()
@@ -71,7 +71,7 @@ def test_residents_are_copied_from_page_locked_memory_in_order(monkeypatch, resi
 def test_a_refused_bounce_ring_falls_back_to_pageable_copies(monkeypatch):
     """The pinner grants the streamed blocks and nothing more: the residents copy from pageable memory, correctly."""
     manager, cuda, fills = run(2, 1, monkeypatch, refuse_after=5)
-    assert not fills and manager.copier.bounce is None
+    assert not fills and manager.engine.copier.bounce is None
     residents = {manager.store.buffers[i].data_ptr() for i in manager.schedule.resident_blocks}
     assert {upload.src[0] for upload in cuda.uploads if not upload.pinned} == residents
     manager.detach()

@@ -143,7 +143,7 @@ def test_streamed_tails_are_ordered_like_whole_blocks(resident, prefetch, policy
     checked = run_checked(resident, prefetch, policy, order, pinning, transform=transform, tails=tail_cap())
     manager = checked.manager
     streamed = manager.schedule.streamed_blocks
-    assert set(manager.device_memory.heads) == set(streamed)
+    assert set(manager.engine.device_memory.heads) == set(streamed)
     if transform:
         assert len(checked.transforms) == len(checked.cuda.uploads)  # heads and tails: each transformed once
 

@@ -69,7 +69,7 @@ def test_output_is_bitwise_identical_and_only_tails_move(sample_input, resident,
     streamed_copies = 1 if NUM_BLOCKS - resident > prefetch else 0
     assert stats.bytes_copied_last_forward == streamed_copies * sum(tails[i] for i in schedule.streamed_blocks)
     manager.release_all()
-    assert manager.device_bytes() == 0 and not manager.device_memory.heads
+    assert manager.device_bytes() == 0 and not manager.engine.device_memory.heads
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
 
@@ -100,15 +100,15 @@ def test_a_residency_change_moves_only_the_blocks_it_changes(sample_input):
     model, manager = offloaded(resident_layers=2, streamed_tail_bytes=cap)
     with torch.no_grad():
         model(sample_input)
-        heads = dict(manager.device_memory.heads)
-        copies = list(manager.counters.copies_per_block)
+        heads = dict(manager.engine.device_memory.heads)
+        copies = list(manager.engine.counters.copies_per_block)
         manager.replan(resident_layers=3)  # block 2 joins the residents: its head goes, no other head moves
         model(sample_input)
         assert torch.equal(model(sample_input), want)
-    kept = manager.device_memory.heads
+    kept = manager.engine.device_memory.heads
     assert set(kept) == set(heads) - {2}
     assert all(kept[i] is heads[i] for i in kept)
-    moved = [after - before for after, before in zip(manager.counters.copies_per_block, copies)]
+    moved = [after - before for after, before in zip(manager.engine.counters.copies_per_block, copies)]
     assert moved[0] == moved[1] == 0 and moved[2] == 1  # the residents stay; block 2 copied once, whole
 
     bigger = sorted(layouts()[0].tail_sizes)[4]
@@ -120,7 +120,7 @@ def test_a_residency_change_moves_only_the_blocks_it_changes(sample_input):
     manager.replan(streamed_tail_bytes=0)  # whole blocks again: no head left
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
-    assert not manager.device_memory.heads and manager.device_bytes() == manager.planned_device_bytes()
+    assert not manager.engine.device_memory.heads and manager.device_bytes() == manager.planned_device_bytes()
 
 
 def test_planner_streams_fewer_bytes_than_whole_blocks_in_the_same_budget():
@@ -168,7 +168,7 @@ def test_a_block_on_disk_streams_whole(tmp_path, sample_input):
         for _ in range(2):
             assert torch.equal(model(sample_input), want)
     assert manager.stats().disk_blocks == NUM_BLOCKS
-    assert manager.block_tails() == manager.block_nbytes() and not manager.device_memory.heads
+    assert manager.block_tails() == manager.block_nbytes() and not manager.engine.device_memory.heads
     manager.detach()
 
 
@@ -204,9 +204,9 @@ def test_an_interrupted_forward_leaves_nothing_held_after_release(sample_input):
             model(sample_input)
         handle.remove()
         assert torch.equal(model(sample_input), want)
-    assert manager.device_memory.heads
+    assert manager.engine.device_memory.heads
     manager.release_all()
-    assert manager.device_bytes() == 0 and not manager.device_memory.heads
+    assert manager.device_bytes() == 0 and not manager.engine.device_memory.heads
     manager.detach()
     assert all(p.numel() > 0 for p in model.parameters())
     with torch.no_grad():
@@ -220,9 +220,9 @@ def test_outside_the_hooks_a_released_block_reads_its_host_copy(sample_input):
     model, manager = offloaded(resident_layers=0, streamed_tail_bytes=small_cap(), released_params="host")
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
-        manager.hooks.active = False
+        manager.engine.hooks.active = False
         assert torch.equal(model(sample_input), want)
-        manager.hooks.active = True
+        manager.engine.hooks.active = True
         assert torch.equal(model(sample_input), want)
 
 
@@ -235,6 +235,6 @@ def test_two_models_alternating_keep_their_own_heads(sample_input):
         for _ in range(2):
             assert torch.equal(first(sample_input), reference_output(sample_input))
             assert torch.equal(second(other_input), reference_output(other_input))
-    assert first_manager.device_memory.heads and second_manager.device_memory.heads
-    assert not set(map(id, first_manager.device_memory.heads.values())) & set(
-        map(id, second_manager.device_memory.heads.values()))
+    assert first_manager.engine.device_memory.heads and second_manager.engine.device_memory.heads
+    assert not set(map(id, first_manager.engine.device_memory.heads.values())) & set(
+        map(id, second_manager.engine.device_memory.heads.values()))
