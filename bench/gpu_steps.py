@@ -251,8 +251,9 @@ class GpuHarness(Harness):
         if controller is None:
             return {}
         # A weights plan's tails are per weight unit: the timing model's replay here is per block, so none is given.
-        tails = None if controller.discovered.streams_weights else controller.manager.block_tails(controller.config)
-        return dict(policy=controller.config.policy, prefetch=controller.config.prefetch_size, tails=tails)
+        tails = None if controller.discovered.streams_weights else controller.manager.block_tails(controller.plan())
+        plan = controller.plan()
+        return dict(policy=plan.policy, prefetch=plan.prefetch_size, tails=tails)
 
     def setup(self):
         super().setup()

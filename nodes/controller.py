@@ -21,8 +21,9 @@ from torch import nn
 import comfy.model_management
 import comfy.patcher_extension
 
-from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, choose_resident_blocks, cuda_graph_refusal,
-                       largest_fitting, normalize_device, point_param_at, return_freed_host_memory, weight_nbytes)
+from ..offload import (LayerwiseOffloadManager, OffloadConfig, OffloadRequest, cuda_graph_refusal, largest_fitting,
+                       normalize_device, point_param_at, return_freed_host_memory, weight_nbytes)
+from ..offload.request import AUTO, BLOCKS, WEIGHTS
 from .advice import recommend
 from .device_support import device_support
 from .discovery import DiscoveredBlocks, as_weight_units, discover_blocks, streaming_refusal
@@ -30,7 +31,8 @@ from .dynamic_vram import non_dynamic_patcher, watch_clones
 from .host_ram import compact_backups, comfyui_host_environment, packing_progress_bar
 from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
 from .load_decisions import apply_cast_decisions, comfyui_load_decisions
-from .offload_node import AUTO_POLICY, AUTO_RESIDENT, DISPLAY_NAME, WEIGHTS_POLICY, host_store_problem
+from .offload_node import (AUTO_POLICY, AUTO_RESIDENT, DISPLAY_NAME, WEIGHTS_POLICY, host_store_problem,
+                           residency_policy_problem)
 from .patcher import make_offloaded_clone
 from .run_planning import RunPlanner
 from .run_report import run_report
@@ -49,22 +51,9 @@ DIFFUSION_MODEL_PREFIX = "diffusion_model."
 def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy=AUTO_POLICY, pin_memory=True,
                   host_store="auto"):
     """The node's work: a clone of ``model`` whose transformer blocks are managed by the offload."""
-    problem = host_store_problem(host_store)
-    if problem is not None:
-        raise ValueError(f"[layerwise-offload] {problem}")
-    auto = resident_layers == AUTO_RESIDENT
-    weights = residency_policy == WEIGHTS_POLICY
-    if weights and not auto:
-        raise ValueError(f"[layerwise-offload] residency_policy = weights plans what stays in VRAM itself, at each "
-                         f"run's first step: set resident_layers to -1 (auto), not {resident_layers}")
-    if auto:
-        resident_layers = 0  # until the first forward, when the free VRAM and the latent are known
     # Page-locking only speeds up copies to an accelerator; on the CPU loopback it would only warn.
-    pin = bool(pin_memory) and not comfy.model_management.is_device_cpu(model.load_device)
-    auto_setting = residency_policy == AUTO_POLICY
-    config = OffloadConfig(resident_layers=resident_layers, prefetch_size=prefetch_size,
-                           policy="leading" if auto_setting or weights else residency_policy, pin_memory=pin,
-                           host_store=host_store)
+    request = node_request(resident_layers, prefetch_size, residency_policy, pin_memory, host_store).with_pinning(
+        not comfy.model_management.is_device_cpu(model.load_device))
     discover_blocks(model.get_model_object("diffusion_model"))  # a non-DiT fails here, before anything else
     support = device_support(model.load_device)
     if not support.offloads:
@@ -74,29 +63,45 @@ def offload_model(model, resident_layers=AUTO_RESIDENT, prefetch_size=1, residen
         return passed_through(model, dataclasses.replace(
             support, offloads=False, reason=refusal, hint="ComfyUI loads and runs it as it would without the node"))
     model = non_dynamic_patcher(model)
-    base_model = model.model
     diffusion_model = model.get_model_object("diffusion_model")
     discovered = discover_blocks(diffusion_model)
-    if weights:
+    if request.granularity == WEIGHTS:
         discovered = as_weight_units(discovered)
-    controller = OffloadController(base_model, discovered, model.load_device, config, auto=auto,
-                                   auto_setting=auto_setting)
-    # Planned under this output's settings: the shared manager may still hold another output's.
-    refusal = controller.manager.shortfall(controller.config, (
-        f"{DISPLAY_NAME}: resident_layers={-1 if auto else resident_layers}, prefetch_size={prefetch_size}, "
+    controller = OffloadController(model.model, discovered, model.load_device, request)
+    # Planned under this output's request: the shared manager may still hold another output's plan.
+    refusal = controller.manager.shortfall(request.plan(), (
+        f"{DISPLAY_NAME}: resident_layers={resident_layers}, prefetch_size={prefetch_size}, "
         f"residency_policy={residency_policy}, pin_memory={pin_memory}, host_store={host_store}"))
     if refusal is not None:  # here, so ComfyUI reports it against this node and its settings, not the sampler
         raise MemoryError(refusal)
     log.info("[layerwise-offload] %s (%s): %d %s in %s; plan: %s resident, prefetch %d, %s, %s, host_store=%s",
              type(diffusion_model).__name__, discovered.family, len(discovered),
-             f"weight units of {len(discovered.whole_blocks)} blocks" if weights else "blocks",
+             f"weight units of {len(discovered.whole_blocks)} blocks" if request.granularity == WEIGHTS else "blocks",
              "+".join(discovered.attributes),
-             "auto" if auto else config.resident_count(len(discovered)), prefetch_size,
-             residency_policy, "pinned RAM" if pin else "CPU loopback: nothing to pin" if support.device_type == "cpu"
-             else "pin_memory off", host_store)
+             "auto" if request.auto_residents else request.plan().resident_count(len(discovered)), prefetch_size,
+             residency_policy, "pinned RAM" if request.pin_memory else "CPU loopback: nothing to pin"
+             if support.device_type == "cpu" else "pin_memory off", host_store)
     offloaded = make_offloaded_clone(model, controller)
     watch_clones(offloaded)
     return offloaded
+
+
+def node_request(resident_layers=AUTO_RESIDENT, prefetch_size=1, residency_policy=AUTO_POLICY, pin_memory=True,
+                 host_store="auto") -> OffloadRequest:
+    """The node's inputs as one request, checked: -1 is auto; residency_policy names a policy, or weights (the
+    granularity)."""
+    problem = residency_policy_problem(residency_policy) or host_store_problem(host_store)
+    if problem is not None:
+        raise ValueError(f"[layerwise-offload] {problem}")
+    auto = resident_layers == AUTO_RESIDENT
+    weights = residency_policy == WEIGHTS_POLICY
+    if weights and not auto:
+        raise ValueError(f"[layerwise-offload] residency_policy = weights plans what stays in VRAM itself, at each "
+                         f"run's first step: set resident_layers to -1 (auto), not {resident_layers}")
+    return OffloadRequest(resident_layers=AUTO if auto else resident_layers, prefetch_size=prefetch_size,
+                          policy=AUTO if residency_policy in (AUTO_POLICY, WEIGHTS_POLICY) else residency_policy,
+                          granularity=WEIGHTS if weights else BLOCKS, pin_memory=bool(pin_memory),
+                          host_store=host_store)
 
 
 def passed_through(model, support):
@@ -112,7 +117,7 @@ def passed_through(model, support):
 
 
 def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
-                   config: OffloadConfig) -> LayerwiseOffloadManager:
+                   plan: OffloadConfig) -> LayerwiseOffloadManager:
     manager = _MANAGERS.get(diffusion_model)
     # Another output streams this model by blocks where this one streams weight units, or the other way round:
     # one manager at a time holds the parameters
@@ -129,7 +134,7 @@ def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, dev
                 return 0
             return max(0, this.planned_device_bytes() - this.device_bytes()) + _LORA_SCRATCH.get(this, 0)
         loopback = normalize_device(torch.device(device)).type == "cpu"
-        manager = LayerwiseOffloadManager(discovered.blocks, device, config, comfyui_host_environment(
+        manager = LayerwiseOffloadManager(discovered.blocks, device, plan, comfyui_host_environment(
             loopback_device_bytes if loopback else None))
         made.append(weakref.ref(manager))
         _MANAGERS[diffusion_model] = manager
@@ -141,17 +146,18 @@ def _gib(nbytes: int) -> str:
 
 
 class OffloadController:
+    """One node output's offload of a loaded model: its request, the plan resolved from it for each run (capped by
+    ComfyUI's VRAM budget), applied to the model's shared manager at ComfyUI's load, unload and every forward."""
+
     def __init__(self, base_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
-                 config: OffloadConfig, auto: bool = False, auto_setting: bool = False):
+                 request: OffloadRequest):
         self.base_model = base_model  # ComfyUI's BaseModel: holds ``diffusion_model``
         self.diffusion_model = base_model.diffusion_model
         self.discovered = discovered
         self.device = torch.device(device)
-        # Released blocks point at their host copies, so the model stays valid for ComfyUI code
-        # that runs it without our hooks (a sibling clone without offload, for instance). With a LoRA
-        # applied on the device those are the unpatched originals, which ComfyUI's backups view too.
-        self.config = dataclasses.replace(config, released_params="host")
-        self.planner = RunPlanner(base_model, discovered, auto, auto_setting, prefetch_floor=config.prefetch_size)
+        self.request = request
+        self.planner = RunPlanner(base_model, discovered, request)
+        self.run_plan: Optional[OffloadConfig] = None  # the plan the planner resolved at this run's first step
         self._auto_planned_this_run = False
         self.last_report = None  # the last run's RunReport (run_report.py)
         self.last_recommendation: Optional[str] = None
@@ -163,6 +169,7 @@ class OffloadController:
         self.block_keys = tuple(DIFFUSION_MODEL_PREFIX + p for p in discovered.prefixes)
         self._block_module_ids = {id(m) for block in discovered.blocks for m in block.modules()}
         self._run_start = None
+        self.run_steps = 0  # the sampler's step count, from the first forward's schedule (note_steps)
         self._device_plan = {}  # block index -> the weights LoRA'd on the device (device_lora.py)
         self.device_lora_scratch = 0  # device bytes its math takes at most, beside the blocks (in model_size())
 
@@ -170,7 +177,7 @@ class OffloadController:
     # The Stats node (stats_view.py) reads the run's plan from the controller it is handed.
     @property
     def auto(self) -> bool:
-        return self.planner.auto
+        return self.request.auto_residents
 
     @property
     def last_plan(self):
@@ -184,34 +191,24 @@ class OffloadController:
     def last_activations(self):
         return self.planner.last_activations
 
-    def _effective_config(self) -> OffloadConfig:
-        """This output's settings, with the resident count lowered to what ComfyUI's budget allows."""
-        if self.resident_cap is None:
-            return self.config
-        count = self.config.resident_count(self.manager.num_blocks)
-        return dataclasses.replace(self.config, resident_layers=min(count, self.resident_cap))
+    def _uncapped_plan(self) -> OffloadConfig:
+        return self.run_plan or self.request.plan()
 
-    def _use_own_settings(self) -> None:
-        manager = self.manager
-        config = self._effective_config()
-        wanted = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        current = {f.name: getattr(manager.config, f.name) for f in dataclasses.fields(manager.config)}
-        if wanted != current:
-            manager.replan(**wanted)
+    def plan(self) -> OffloadConfig:
+        """This output's plan now: this run's (the request's before the first step), within ComfyUI's budget."""
+        return self._uncapped_plan().capped(self.resident_cap, self.manager.num_blocks)
 
     def non_block_bytes(self) -> int:
         return sum(weight_nbytes(t) for t in self._non_block_tensors())
 
     def _planned_block_bytes(self, resident_count: int) -> int:
         """Device bytes of this output's plan with ``resident_count`` residents (the manager untouched)."""
-        sizes = self.manager.block_nbytes()
-        schedule = Schedule(choose_resident_blocks(len(sizes), resident_count, self.config.policy))
-        return schedule.device_bytes(sizes, self.config.prefetch_size, self.manager.block_tails(self.config))
+        plan = dataclasses.replace(self._uncapped_plan(), resident_layers=resident_count)
+        return self.manager.planned_device_bytes(plan)
 
     def planned_footprint(self) -> int:
         """What ComfyUI is told this model needs on the device (``model_size()``)."""
-        count = self._effective_config().resident_count(self.manager.num_blocks)
-        return self.non_block_bytes() + self._planned_block_bytes(count) + self.device_lora_scratch
+        return self.non_block_bytes() + self.manager.planned_device_bytes(self.plan()) + self.device_lora_scratch
 
     def host_ram_bytes(self) -> int:
         """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
@@ -256,7 +253,7 @@ class OffloadController:
         plan = {} if bake_all else device_patch_plan(patcher, self.discovered.blocks, self.block_keys, decisions)
         self.device_lora_scratch = _LORA_SCRATCH[self.manager] = scratch_bytes(self.discovered.blocks, plan)
         self._fit_budget(extra_memory, loaded_before)
-        self._use_own_settings()
+        self.manager.apply(self.plan())
         self._bake_block_patches(patcher, device_to, decisions,
                                  skip={key for p in plan.values() for _, key, _ in p})
         changed = self.manager.prepare(progress=packing_progress_bar())
@@ -331,9 +328,9 @@ class OffloadController:
         # ComfyUI allows this model what it had loaded plus extra_memory; the non-block weights just
         # placed take their share first.
         budget = int(loaded_before) + int(extra_memory) - self.non_block_bytes() - self.device_lora_scratch
-        wanted = self.config.resident_count(self.manager.num_blocks)
-        if self.auto:
-            wanted = self.manager.num_blocks  # auto plans at the first forward; the budget still caps it
+        wanted = self.manager.num_blocks  # auto plans at the first forward; the budget still caps it
+        if not self.auto:
+            wanted = self.request.plan().resident_count(self.manager.num_blocks)
         count = largest_fitting(lambda c: self._planned_block_bytes(c) <= budget, wanted)
         if count < wanted and not self.auto:
             log.info("[layerwise-offload] ComfyUI's VRAM budget (%s) fits %d of the %d resident blocks asked for",
@@ -346,11 +343,11 @@ class OffloadController:
     def free_device_memory(self, nbytes: int) -> int:
         """ComfyUI asks for ``nbytes`` back: demote residents until the plan is that much smaller and free their
         memory now. The residents that stay keep their buffers (the smaller plan arms over them at the next forward,
-        copying nothing again); the slot ring goes only where its geometry changes (manager.replan)."""
+        copying nothing again); the slot ring goes only where its geometry changes (manager.apply)."""
         held = self.manager.device_bytes()
         count = largest_fitting(lambda c: held - self._planned_block_bytes(c) >= nbytes, self.manager.resident_count())
         self.resident_cap = count
-        self._use_own_settings()
+        self.manager.apply(self.plan())
         if held - self.manager.device_bytes() < nbytes:  # the manager held another output's plan: what was asked
             self.manager.release_all()  # for comes back now all the same
         freed = held - self.manager.device_bytes()
@@ -363,12 +360,11 @@ class OffloadController:
     @contextmanager
     def forward(self, patcher, x: Optional[torch.Tensor] = None):
         self._hold_the_parameters()
-        if self.planner.plans_each_run and not self._auto_planned_this_run and isinstance(x, torch.Tensor):
-            changes = self.planner.plan_run(x, patcher, self.manager, self._effective_config(),
-                                            self.device_lora_scratch, self._device_plan)
-            self.config = dataclasses.replace(self.config, **changes)
+        if self.request.plans_each_run and not self._auto_planned_this_run and isinstance(x, torch.Tensor):
+            self.run_plan = self.planner.plan_run(x, patcher, self.manager, self.resident_cap, self.device_lora_scratch,
+                                                  self._device_plan)
             self._auto_planned_this_run = True
-        self._use_own_settings()
+        self.manager.apply(self.plan())
         refusal = cuda_graph_refusal(patcher.model_options.get("torch_compile_kwargs") if patcher else None)
         if refusal is not None and self.manager.resident_count() < self.manager.num_blocks:
             raise RuntimeError(refusal)
@@ -387,8 +383,7 @@ class OffloadController:
         discovered = discover_blocks(diffusion_model)
         if self.discovered.streams_weights:
             discovered = as_weight_units(discovered)
-        controller = OffloadController(patcher.model, discovered, patcher.load_device,
-                                       self.config, auto=self.auto, auto_setting=self.planner.auto_setting)
+        controller = OffloadController(patcher.model, discovered, patcher.load_device, self.request)
         log.info("[layerwise-offload] ComfyUI cloned the offloaded model with another model object; that clone "
                  "gets an offload of its own (%d blocks)", controller.manager.num_blocks)
         return controller
@@ -411,7 +406,7 @@ class OffloadController:
 
     def _use_manager_on(self, device) -> None:
         """This model's manager for ``device`` (shared by every output of the model), with ComfyUI's pinning."""
-        self.manager = shared_manager(self.diffusion_model, self.discovered, device, self.config)
+        self.manager = shared_manager(self.diffusion_model, self.discovered, device, self._uncapped_plan())
         self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
         self._non_block_device_bytes = None
 
@@ -422,13 +417,13 @@ class OffloadController:
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
             point_backups_at_store(patcher, self._device_plan, self.manager)
         self._auto_planned_this_run = False
-        self.run_steps = 0  # the sampler's step count, from the first forward's schedule (note_steps)
+        self.run_steps = 0
         self._run_start = (time.perf_counter(), self.manager.stats(synchronize=False))
 
     def note_steps(self, transformer_options) -> None:
         """The run's step count for the stats' "per step", from the sigmas ComfyUI's sampler hands the model."""
         sigmas = (transformer_options or {}).get("sample_sigmas")
-        if sigmas is not None and not getattr(self, "run_steps", 0):
+        if sigmas is not None and not self.run_steps:
             self.run_steps = max(0, len(sigmas) - 1)
 
     def end_run(self, patcher) -> Optional[str]:

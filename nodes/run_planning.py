@@ -3,23 +3,23 @@ residency_policy auto's policy and prefetch depth, residency_policy weights' wei
 
 The planner keeps what carries over from run to run: the last choice and plan (logged only when they change; the
 Stats node shows the plan) and auto's hysteresis, which keeps the plan the manager holds when a new run's would
-barely differ. It never touches the settings it plans: it returns the changes, and the controller applies them.
+barely differ. It resolves a plan from the request and the run's facts; the controller has the manager apply it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 from torch import nn
 
 import comfy.model_management
 
-from ..offload import (LayerwiseOffloadManager, OffloadConfig, Schedule, available_host_bytes, block_parameters,
-                       block_width, choose_resident_blocks, describe, format_bytes, forward_activation_bytes,
-                       plan_residency, plan_streamed_tails, plan_weight_units, streamed_tails_plan)
-from ..offload import timing_for
+from ..offload import (LayerwiseOffloadManager, OffloadConfig, OffloadRequest, available_host_bytes, block_parameters,
+                       block_width, describe, format_bytes, forward_activation_bytes, plan_residency,
+                       plan_streamed_tails, plan_weight_units, streamed_tails_plan, timing_for)
 from .advice import activation_words
 from .discovery import DiscoveredBlocks
 
@@ -31,35 +31,28 @@ AUTO_GROW_HYSTERESIS = 1
 
 
 class RunPlanner:
-    def __init__(self, base_model: nn.Module, discovered: DiscoveredBlocks, auto: bool, auto_setting: bool,
-                 prefetch_floor: int):
+    def __init__(self, base_model: nn.Module, discovered: DiscoveredBlocks, request: OffloadRequest):
         self.base_model = base_model  # its dtype is read at each plan: ComfyUI may set a manual cast at load
         self.discovered = discovered
-        # Auto mode: the resident count is chosen at the first forward of each run; with auto_setting
-        # (residency_policy auto) the policy and prefetch depth too, prefetch never below the node's.
-        self.auto = auto
-        self.auto_setting = auto_setting
-        self.prefetch_floor = prefetch_floor
+        self.request = request
         self.model_class = type(base_model.diffusion_model).__name__
         self.last_choice = None
         self.last_plan = None
         self.last_activations = None
         self._last_close_plan = None  # the count auto last declined to grow to (logged once)
 
-    @property
-    def plans_each_run(self) -> bool:
-        return self.auto or self.auto_setting
-
-    def plan_run(self, x: torch.Tensor, patcher, manager: LayerwiseOffloadManager, config: OffloadConfig,
-                 device_lora_scratch: int, device_plan) -> Dict[str, object]:
+    def plan_run(self, x: torch.Tensor, patcher, manager: LayerwiseOffloadManager, resident_cap: Optional[int],
+                 device_lora_scratch: int, device_plan) -> OffloadConfig:
         """At a run's first forward, where the latent is known: auto's resident count (as many blocks as fit in what
         ComfyUI says is free on the device now, next to this latent's activations, offload/activation_model.py, and
         ComfyUI's reserve) and, with residency_policy auto, the policy and prefetch depth the timing model predicts
         fastest on this card (offload/timing/; leading with the node's prefetch_size where no card is
         known, as on the CPU loopback).
 
-        ``config`` is this output's settings under ComfyUI's budget, ``device_lora_scratch`` and ``device_plan``
-        the device LoRA's (device_lora.py). Returns the changes to this output's settings."""
+        ``resident_cap`` is what ComfyUI's budget allows (None: no limit), ``device_lora_scratch`` and
+        ``device_plan`` the device LoRA's (device_lora.py). Returns this run's plan (the budget still caps it)."""
+        request = self.request
+        asked = request.plan()
         device = manager.device
         held = manager.device_bytes()  # ours already: a new plan may reuse it
         # Newer ComfyUI asks the patcher (it adds what dynamic-VRAM models could give back).
@@ -78,9 +71,9 @@ class RunPlanner:
             batch=max(1, x.shape[0]), dtype_bytes=self._compute_dtype_bytes(x), latent_channels=x.shape[1])
         activation_bytes = activations.nbytes + device_lora_scratch
         sizes = manager.block_nbytes()
-        timing = timing_for(device) if self.auto_setting else None
-        settings = ([(policy, prefetch) for policy, prefetch in timing.settings if prefetch >= self.prefetch_floor]
-                    if timing is not None else [(config.policy, config.prefetch_size)])
+        timing = timing_for(device) if request.auto_policy else None
+        settings = ([(policy, prefetch) for policy, prefetch in timing.settings if prefetch >= request.prefetch_size]
+                    if timing is not None else [(asked.policy, asked.prefetch_size)])
 
         def plan_for(policy: str, prefetch: int, max_resident: Optional[int] = None):
             return plan_residency(sizes, free, reserve_bytes=reserve, activation_bytes=activation_bytes,
@@ -88,9 +81,9 @@ class RunPlanner:
         plans = {setting: plan_for(*setting) for setting in settings}
         if self.discovered.streams_weights:
             units = plan_weight_units(sizes, manager.tail_options(), free, reserve_bytes=reserve,
-                                      activation_bytes=activation_bytes, prefetch_size=config.prefetch_size)
-            return self._plan_weight_units(units, plans[settings[0]], sizes, activations, x, config.prefetch_size)
-        if self.auto:
+                                      activation_bytes=activation_bytes, prefetch_size=asked.prefetch_size)
+            return self._plan_weight_units(units, plans[settings[0]], sizes, activations, x)
+        if request.auto_residents:
             candidates = [(policy, prefetch, plan.resident_count) for (policy, prefetch), plan in plans.items()
                           if plan.fits]
             if timing is not None and not all(plan.resident_count == len(sizes) for plan in plans.values()):
@@ -104,13 +97,13 @@ class RunPlanner:
                         plans[("tails", prefetch)] = plan
                         candidates.append(("leading", prefetch, 0, plan.tails))
         else:
-            count = config.resident_count(len(sizes))
+            count = asked.capped(resident_cap, len(sizes)).resident_count(len(sizes))
             budget = free - reserve - activation_bytes
             candidates = [(policy, prefetch, count) for policy, prefetch in settings
-                          if Schedule(choose_resident_blocks(len(sizes), count, policy)).device_bytes(
-                              sizes, prefetch) <= budget]
+                          if manager.planned_device_bytes(dataclasses.replace(
+                              asked, resident_layers=count, policy=policy, prefetch_size=prefetch)) <= budget]
         first = settings[0]
-        chosen = (first[0], first[1], plans[first].resident_count if self.auto else None)
+        chosen = (first[0], first[1], plans[first].resident_count if request.auto_residents else None)
         if timing is not None and len(candidates) > 1:
             choice = timing.choose(candidates, self.discovered.blocks, sizes, activations.tokens, x.shape[0],
                                    self._compute_dtype_bytes(x), self._device_lora_weights(manager, device_plan))
@@ -119,14 +112,14 @@ class RunPlanner:
                 what = (f"tails streamed ({format_bytes(sum(choice.tails))} a step)" if choice.tails
                         else f"{choice.policy}, {choice.resident_count} resident")
                 log.info("[layerwise-offload] %s: %s, prefetch %d predicted %.2fx the bound "
-                         "(max(compute, streamed bytes / H2D)) on %s", "auto" if self.auto else "residency_policy auto",
+                         "(max(compute, streamed bytes / H2D)) on %s", "auto" if request.auto_residents else "residency_policy auto",
                          what, choice.prefetch, choice.prediction.ratio, timing.name)
         elif len(candidates) == 1:
             chosen = candidates[0]
         self.last_choice = chosen
         policy, prefetch, count, *tails = chosen
         changes = dict(policy=policy, prefetch_size=prefetch)
-        if self.auto:
+        if request.auto_residents:
             plan = plans[("tails", prefetch)] if tails and tails[0] else plans[(policy, prefetch)]
             plan = self._held_if_close(manager, plan, plan_for)
             if plan != self.last_plan:
@@ -136,9 +129,9 @@ class RunPlanner:
             changes["resident_layers"] = plan.resident_count
             changes["streamed_tail_bytes"] = plan.tails or 0
         self.last_activations = activations
-        return changes
+        return dataclasses.replace(asked, **changes)
 
-    def _plan_weight_units(self, plan, whole_blocks, sizes, activations, x, prefetch_size: int) -> Dict[str, object]:
+    def _plan_weight_units(self, plan, whole_blocks, sizes, activations, x) -> OffloadConfig:
         """residency_policy weights: ``plan``, the plan over weight units that streams the fewest bytes in what is
         free (``plan_weight_units``) at the node's prefetch depth; where none fits (None), every unit streamed
         (``whole_blocks``, which then says by how much it is short, as auto's plan does)."""
@@ -156,9 +149,10 @@ class RunPlanner:
                      format_bytes(activations.nbytes), activation_words(activations.source), activations.tokens,
                      x.shape[0])
         self.last_plan = plan
-        self.last_choice = ("leading", prefetch_size, plan.resident_count, plan.tails)
+        self.last_choice = ("leading", self.request.prefetch_size, plan.resident_count, plan.tails)
         self.last_activations = activations
-        return dict(policy="leading", resident_layers=plan.resident_count, streamed_tail_bytes=plan.tails or 0)
+        return dataclasses.replace(self.request.plan(), resident_layers=plan.resident_count,
+                                   streamed_tail_bytes=plan.tails or 0)
 
     def _held_if_close(self, manager: LayerwiseOffloadManager, plan, plan_for):
         """Auto's hysteresis: the plan the manager holds now when the new one would only add

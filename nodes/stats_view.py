@@ -65,8 +65,7 @@ def auto_plan_line(controller) -> Optional[str]:
 def host_store_line(controller) -> Optional[str]:
     """Where the blocks' host copies went and why (the packing's plan: RAM short, the disk fast enough or too slow,
     with its read rate), where that was a choice; None where every block simply fit in RAM."""
-    host = getattr(getattr(controller, "manager", None), "host", None)
-    plan = getattr(host, "tier_plan", None)
+    plan = getattr(getattr(controller, "manager", None), "tier_plan", None)
     if plan is None or not plan.reason:
         return None
     return f"host store: {plan.disk_blocks} of {len(plan.disk)} blocks on disk ({plan.reason})"

@@ -18,6 +18,7 @@ from .memory.pinning import clear_cuda_error, return_freed_host_memory
 from .planner import (ResidencyPlan, describe, estimate_activation_bytes, format_bytes, forward_activation_bytes,
                       plan_residency, plan_streamed_tails, plan_weight_units, streamed_tails_plan)
 from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
+from .request import OffloadRequest
 from .stats import OffloadStats
 from .units import WeightUnits, weight_units
 from .weights import point_param_at, weight_nbytes, weight_parts
@@ -35,6 +36,7 @@ __all__ = [
     "CheckpointFile",
     "LayerwiseOffloadManager",
     "OffloadConfig",
+    "OffloadRequest",
     "OffloadStats",
     "ResidencyPlan",
     "Schedule",

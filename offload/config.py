@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import numbers
@@ -17,7 +18,7 @@ HOST_STORES = ("auto", "ram", "disk")
 ResidentLayers = Union[int, float]
 
 
-def _check_resident_layers(resident_layers) -> None:
+def check_resident_layers(resident_layers) -> None:
     if isinstance(resident_layers, bool) or not isinstance(resident_layers, numbers.Real):
         raise ValueError(
             f"resident_layers must be a number (a block count, or a fraction between 0 and 1), "
@@ -66,7 +67,7 @@ class OffloadConfig:
     streamed_tail_bytes: Union[int, Tuple[int, ...]] = 0
 
     def __post_init__(self):
-        _check_resident_layers(self.resident_layers)
+        check_resident_layers(self.resident_layers)
         if (isinstance(self.prefetch_size, bool) or not isinstance(self.prefetch_size, numbers.Integral)
                 or self.prefetch_size < 1):
             raise ValueError(
@@ -107,6 +108,12 @@ class OffloadConfig:
                      self.resident_layers, num_blocks, num_blocks)
             return num_blocks
         return count
+
+    def capped(self, max_resident: "int | None", num_blocks: int) -> "OffloadConfig":
+        """This plan with at most ``max_resident`` resident blocks (None: no cap)."""
+        if max_resident is None or self.resident_count(num_blocks) <= max_resident:
+            return self
+        return dataclasses.replace(self, resident_layers=max_resident)
 
     def tail_caps(self, num_blocks: int) -> Optional[Tuple[int, ...]]:
         """``streamed_tail_bytes`` as one cap per block (None: every streamed block streams whole)."""

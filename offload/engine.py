@@ -69,6 +69,17 @@ class BlockEngine:
         self.config = config
 
     @property
+    def backend(self):
+        """How copies reach the device (``device/backend.py``); one the tests swap in reaches the mover too."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend) -> None:
+        self._backend = backend
+        if hasattr(self, "mover"):
+            self.mover.backend = backend
+
+    @property
     def config(self) -> OffloadConfig:
         return self._config
 

@@ -239,6 +239,11 @@ class LayerwiseOffloadManager:
         """Block ``index``'s weights as views of its host copy, in the order of its parameters."""
         return self.store.weight_views(index)
 
+    @property
+    def tier_plan(self):
+        """Which blocks' host copies went to disk, and why (``host.tier_planning.TierPlan``; None before packing)."""
+        return getattr(self.engine.host, "tier_plan", None)
+
     def host_ram_bytes(self) -> int:
         """Host RAM the blocks hold: each block in the RAM tier (packed, or not yet), and the disk tier's
         staging ring (a block in the disk tier holds nothing else)."""

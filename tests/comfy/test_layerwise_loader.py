@@ -185,6 +185,6 @@ def test_where_python_lacks_the_disk_tiers_calls_the_loader_and_the_node_run_fro
     assert torch.equal(tiny_dits.sample(model, seed=5), want)
     offloaded = offload_model(model, 1, 1, "leading", False, "auto")
     assert torch.equal(tiny_dits.sample(offloaded, seed=5), want)
-    assert manager_of(offloaded).host.tiers() == ["ram"] * BLOCK_COUNT and written(disk_dir) == []
+    assert manager_of(offloaded).engine.host.tiers() == ["ram"] * BLOCK_COUNT and written(disk_dir) == []
     assert "host_store = disk: the disk tier needs os.preadv, os.posix_fadvise" in host_store_problem("disk")
     assert host_store_problem("auto") is None and host_store_problem("ram") is None
