@@ -104,8 +104,7 @@ def our_footprint(block_nbytes: Sequence[int], non_block: int, resident: int, pr
 
 
 def streamed_bytes(block_nbytes: Sequence[int], resident: int, policy: str) -> int:
-    keep = choose_resident_blocks(len(block_nbytes), resident, policy)
-    return sum(b for b, k in zip(block_nbytes, keep) if not k)
+    return footprint(block_nbytes, choose_resident_blocks(len(block_nbytes), resident, policy), 1).streamed_bytes
 
 
 def largest_fitting_resident(block_nbytes, non_block, budget, prefetch, policy) -> Optional[int]:

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..schedule import footprint
 from ..weights import cast_nbytes, weight_format
 
 __all__ = ["GpuSpec", "GPUS", "DIT_EFFICIENCY", "HOST_S_PER_STREAMED_BLOCK", "HOST_S_PER_STREAMED_BLOCK_FP8",
@@ -117,6 +118,11 @@ class ModelCosts:
         """Per block, the bytes one streamed copy of it moves."""
         return self.tail_bytes if self.tail_bytes is not None else self.block_bytes
 
+    def streamed_bytes(self, resident: Sequence[bool]) -> int:
+        """The bytes one step copies under the plan ``resident`` (per block); the prefetch depth does not change
+        them."""
+        return footprint(self.block_bytes, resident, 1, self.tail_bytes).streamed_bytes
+
     def block_seconds(self, gpu: GpuSpec) -> List[float]:
         cast = self.cast_bytes or (0,) * self.num_blocks
         return [f / gpu.dit_flops_per_s + c / gpu.hbm_bytes_per_s for f, c in zip(self.block_flops, cast)]
@@ -127,8 +133,7 @@ class ModelCosts:
 
 def bound_seconds(costs: ModelCosts, gpu: GpuSpec, resident: Sequence[bool]) -> float:
     """The bound of one step: ``max(compute, streamed bytes / H2D)``."""
-    streamed = sum(b for b, keep in zip(costs.streamed_copy_bytes, resident) if not keep)
-    return max(costs.compute_seconds(gpu), streamed / gpu.h2d_bytes_per_s)
+    return max(costs.compute_seconds(gpu), costs.streamed_bytes(resident) / gpu.h2d_bytes_per_s)
 
 
 def model_costs(blocks: Sequence[nn.Module], block_bytes: Sequence[int], block_flops: Sequence[float],
