@@ -52,14 +52,6 @@ def cpu_loopback(cpu: bool, threads: Optional[int] = None):
             os.environ[CPU_LOOPBACK_ENV] = old_env
 
 
-def size_text(nbytes) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def gib(nbytes) -> str:
-    return "" if nbytes is None or nbytes == "" else f"{nbytes / 2**30:.3f}"
-
-
 def tensor_nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.nelement() * t.element_size()
 

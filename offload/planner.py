@@ -23,10 +23,11 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 from .activation_model import find_line, line_bytes, tokens_for
 from .config import POLICIES
+from .formatting import format_bytes
 from .schedule import Footprint, choose_resident_blocks, footprint, largest_fitting, tail_within
 
-__all__ = ["ResidencyPlan", "plan_residency", "plan_streamed_tails", "streamed_tails_plan", "ActivationEstimate", "forward_activation_bytes",
-           "estimate_activation_bytes", "describe", "format_bytes"]
+__all__ = ["ResidencyPlan", "plan_residency", "plan_streamed_tails", "streamed_tails_plan", "plan_weight_units",
+           "ActivationEstimate", "forward_activation_bytes", "estimate_activation_bytes", "describe"]
 
 
 @dataclass(frozen=True)
@@ -363,16 +364,6 @@ def estimate_activation_bytes(tokens: int, hidden: int, dtype_bytes: int = 2, ba
     if attention_heads:
         total += batch * attention_heads * tokens * tokens * 2 * score_bytes
     return int(total)
-
-
-def format_bytes(nbytes: int) -> str:
-    """``11.2 GiB`` from 0.1 GiB up, else MiB / KiB / B; keeps the sign."""
-    sign = "-" if nbytes < 0 else ""
-    value = abs(nbytes)
-    for unit, scale, floor in (("GiB", 2**30, 2**30 // 10), ("MiB", 2**20, 2**20 // 10), ("KiB", 2**10, 2**10 // 10)):
-        if value >= floor:
-            return f"{sign}{value / scale:.1f} {unit}"
-    return f"{sign}{value} B"
 
 
 def describe(plan: ResidencyPlan) -> str:

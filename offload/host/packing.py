@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..formatting import format_bytes
 from ..memory.pinning import Pinner, PinLedger
 from ..schedule import tail_within
 from ..weights import RebuildFn, weight_parts
@@ -324,9 +325,9 @@ class HostStore:
         if not pinned and not self._warned_pin:
             self._warned_pin = True
             reason = "refused" if self.ledger.pinner is not None else "no CUDA runtime to page-lock with"
-            log.warning("[layerwise-offload] could not pin %.1f MiB of host memory (%s); each block that is "
+            log.warning("[layerwise-offload] could not pin %s of host memory (%s); each block that is "
                         "refused stays pageable (its copies are slower), the others are still pinned",
-                        buffer.numel() / 2**20, reason)
+                        format_bytes(buffer.numel()), reason)
         return pinned
 
     def _drop_buffer(self, index: int) -> None:
