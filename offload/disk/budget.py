@@ -51,8 +51,8 @@ PACKING_SLACK_BYTES = 64 * 2**20
 RAM_MARGIN_BYTES = 512 * 2**20
 # ... where the disk is fast enough; on a slower disk only this much (RAM then leaves no choice).
 RAM_FLOOR_BYTES = 256 * 2**20
-# What the blocks auto puts on disk only to keep its margin may cost a step in reads: half a second, about half a
-# Flux-dev step on an RTX 4090 (an NVMe SSD reads a GB or more in it, an HDD less than one bf16 Flux block).
+# What the blocks auto puts on disk only to keep its margin may cost a step in reads: a fraction of a large model's
+# step, in which an SSD reads many blocks and a hard disk less than one (docs/internals.md).
 DISK_STALL_BUDGET_S = 0.5
 
 
