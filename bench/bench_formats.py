@@ -24,7 +24,7 @@ from .harness import BenchConfig, Harness
 from .measure import write_csv
 from ..devtools import peers
 from ..devtools.quantized_models import save_fp8_mixed, save_gguf
-from ..offload import choose_resident_blocks, weight_nbytes
+from ..offload import choose_resident_blocks, footprint, format_bytes, weight_nbytes
 
 FORMATS = ("bf16", "fp8_mixed", "gguf_q4_0")  # the default comparison
 ALL_FORMATS = ("bf16", "fp8_mixed", "gguf_f16", "gguf_q8_0", "gguf_q5_0", "gguf_q4_0")
@@ -107,7 +107,7 @@ def _rows(fmt: str, harness, result) -> List[Dict[str, object]]:
         params = list(block.parameters())
         stored.append(sum(weight_nbytes(p) for p in params))
         kind = kind or type(max(params, key=weight_nbytes)).__name__
-    harness.log(f"{fmt}: {kind} weights, {max(stored) / 2**20:.1f} MiB stored per block")
+    harness.log(f"{fmt}: {kind} weights, {format_bytes(max(stored))} stored per block")
     rows, n = [], len(stored)
     for r in result.rows:
         if r["mode"] not in ("full", "layerwise"):
@@ -120,7 +120,7 @@ def _rows(fmt: str, harness, result) -> List[Dict[str, object]]:
         row.update(preset=r["preset"], device=r["device"], format=fmt, loader=_loader(fmt), weight_type=kind,
                    mode=r["mode"], num_blocks=n, resident=r["resident"], streamed_blocks=keep.count(False),
                    stored_bytes_per_block=max(stored),
-                   streamed_stored_bytes=sum(s for s, k in zip(stored, keep) if not k),
+                   streamed_stored_bytes=footprint(stored, keep, 1).streamed_bytes,
                    streamed_bytes_per_forward=r["streamed_bytes_per_forward"], h2d_bytes_per_forward=moved,
                    step_ms=r["step_ms"], forwards_per_step=r["forwards_per_step"],
                    stall_ms_per_step=r["stall_ms_per_step"], bitwise_equal=r["bitwise_equal"], error=r["error"])

@@ -40,7 +40,8 @@ if __name__ == "__main__":  # run by path: the pack registered as `layerwise_off
 
 from .harness import COLUMNS, DTYPES, SUMMARY_COLUMNS, BenchConfig, BenchResult, Harness  # noqa: E402
 from .measure import CPU_LOOPBACK_ENV  # noqa: E402,F401  (the tests read it from here)
-from .measure import cpu_loopback, write_csv  # noqa: E402
+from .measure import cpu_loopback, largest_fitting_resident, streamed_bytes, write_csv  # noqa: E402
+from ..offload import format_bytes, format_rate  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------- the report
 def write_outputs(result: BenchResult, out: Path) -> Dict[str, str]:
@@ -92,7 +93,7 @@ def plot(result: BenchResult, path: Path) -> str:
                 break
             x, left = x + min(1.0, left / size), left - size
         ax.scatter([x], [comfy["step_ms"]], marker="X", s=90, color="crimson", zorder=5)
-        ax.annotate(f"ComfyUI lowvram B={label}\n({size_text(budget)})", (x, comfy["step_ms"]),
+        ax.annotate(f"ComfyUI lowvram B={label}\n({format_bytes(budget)})", (x, comfy["step_ms"]),
                     textcoords="offset points", xytext=(6, 6 + 14 * (index % 3)), fontsize=7, color="crimson")
         fit = largest_fitting_resident(sizes, result.non_block_bytes, budget, 1, "leading")
         if fit is not None:
@@ -123,15 +124,15 @@ def print_result(result: BenchResult) -> None:
     logged as it ran; the CSV holds them all)."""
     meta = result.meta
     print(f"\n{meta['preset']} on {meta.get('gpu', meta['device'])}: {meta['num_blocks']} blocks "
-          f"({gib(sum(result.block_nbytes))} GiB), non-block {gib(result.non_block_bytes)} GiB, {meta['dtype']}, "
-          f"{meta['steps']} steps; h2d {meta['h2d_gbps']:.2f} GB/s; ComfyUI {meta['comfyui']}, torch {meta['torch']}")
+          f"({format_bytes(sum(result.block_nbytes))}), non-block {format_bytes(result.non_block_bytes)}, "
+          f"{meta['dtype']}, {meta['steps']} steps; h2d {format_rate(meta['h2d_gbps'] * 1e9)}; ComfyUI {meta['comfyui']}, torch {meta['torch']}")
     ms = lambda v: "-" if v == "" else f"{v:.2f} ms/step"  # noqa: E731
-    mib = lambda v: "-" if v == "" else f"{v / 2**20:.1f} MiB"  # noqa: E731
+    size = lambda v: "-" if v == "" else format_bytes(v)  # noqa: E731
     for s in result.summary:
-        print(f"  B={s['budget']} ({size_text(s['budget_bytes'])}): ComfyUI lowvram {ms(s['comfy_step_ms'])}, "
-              f"{mib(s['comfy_h2d_bytes_per_step'])} h2d/step; layerwise {s['layerwise_config']} "
-              f"{ms(s['layerwise_step_ms'])}, {mib(s['layerwise_h2d_bytes_per_step'])} h2d/step, footprint "
-              f"{mib(s['layerwise_footprint_bytes'])}; auto r={s['auto_resident']} {ms(s['auto_step_ms'])}; "
+        print(f"  B={s['budget']} ({format_bytes(s['budget_bytes'])}): ComfyUI lowvram {ms(s['comfy_step_ms'])}, "
+              f"{size(s['comfy_h2d_bytes_per_step'])} h2d/step; layerwise {s['layerwise_config']} "
+              f"{ms(s['layerwise_step_ms'])}, {size(s['layerwise_h2d_bytes_per_step'])} h2d/step, footprint "
+              f"{size(s['layerwise_footprint_bytes'])}; auto r={s['auto_resident']} {ms(s['auto_step_ms'])}; "
               f"full load {ms(s['full_step_ms'])}")
     for note in result.skipped:
         print(f"skipped: {note}")

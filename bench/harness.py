@@ -17,10 +17,10 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .measure import (CastCounter, StepClock, bitwise_equal, comfy_weight_budget, comfyui_version, copy_seconds, gib,
+from .measure import (CastCounter, StepClock, bitwise_equal, comfy_weight_budget, comfyui_version, copy_seconds,
                       largest_fitting_resident, lowvram_module_bytes, parse_budget, streamed_bytes)
 from ..devtools import comfy_env
-from ..offload import choose_resident_blocks
+from ..offload import choose_resident_blocks, format_bytes, format_rate
 
 COLUMNS = [
     "preset", "device", "dtype", "mode", "budget", "budget_bytes", "num_blocks", "resident", "prefetch", "policy",
@@ -135,10 +135,11 @@ class Harness:
         self.budgets = [parse_budget(b, self.non_block, self.block_total) for b in cfg.budgets]
         probe_bytes = max(max(self.block_nbytes), 1 << 20)  # a pinned copy of one block's size
         self.h2d_gbps = probe_bytes / copy_seconds(probe_bytes, self.device, repeats=8) / 1e9
-        self.log(f"model {gib(self.model_bytes)} GiB: blocks {gib(self.block_total)} GiB "
-                 f"({len(self.block_nbytes)} x {gib(min(self.block_nbytes))}..{gib(max(self.block_nbytes))}), "
-                 f"non-block {gib(self.non_block)} GiB; h2d {self.h2d_gbps:.2f} GB/s; budgets "
-                 + ", ".join(f"{label}={gib(b)} GiB" for label, b in self.budgets))
+        self.log(f"model {format_bytes(self.model_bytes)}: blocks {format_bytes(self.block_total)} "
+                 f"({len(self.block_nbytes)} x {format_bytes(min(self.block_nbytes))}.."
+                 f"{format_bytes(max(self.block_nbytes))}), non-block {format_bytes(self.non_block)}; "
+                 f"h2d {format_rate(self.h2d_gbps * 1e9)}; budgets "
+                 + ", ".join(f"{label}={format_bytes(b)}" for label, b in self.budgets))
         self.forwards = 0  # diffusion-model forwards (one per apply_model), in every mode
 
         def count_forward(module, args):
@@ -385,5 +386,5 @@ def row_line(row) -> str:
         return f"{what}: FAILED {row['error']}"
     if row["mode"] == "layerwise_auto":
         what += f" B={row['budget']}"
-    return (f"{what}: {row['step_ms']:.2f} ms/step, {row['h2d_bytes_per_step'] / 2**20:.1f} MiB h2d/step, "
+    return (f"{what}: {row['step_ms']:.2f} ms/step, {format_bytes(row['h2d_bytes_per_step'])} h2d/step, "
             f"bitwise {'equal' if row['bitwise_equal'] else 'DIFFERENT'}")

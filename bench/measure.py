@@ -52,14 +52,6 @@ def cpu_loopback(cpu: bool, threads: Optional[int] = None):
             os.environ[CPU_LOOPBACK_ENV] = old_env
 
 
-def size_text(nbytes) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
-
-
-def gib(nbytes) -> str:
-    return "" if nbytes is None or nbytes == "" else f"{nbytes / 2**30:.3f}"
-
-
 def tensor_nbytes(t: Optional[torch.Tensor]) -> int:
     return 0 if t is None else t.nelement() * t.element_size()
 
@@ -104,8 +96,7 @@ def our_footprint(block_nbytes: Sequence[int], non_block: int, resident: int, pr
 
 
 def streamed_bytes(block_nbytes: Sequence[int], resident: int, policy: str) -> int:
-    keep = choose_resident_blocks(len(block_nbytes), resident, policy)
-    return sum(b for b, k in zip(block_nbytes, keep) if not k)
+    return footprint(block_nbytes, choose_resident_blocks(len(block_nbytes), resident, policy), 1).streamed_bytes
 
 
 def largest_fitting_resident(block_nbytes, non_block, budget, prefetch, policy) -> Optional[int]:

@@ -47,7 +47,7 @@ from ..devtools import dit_presets  # noqa: E402
 from .activation_memory import FAMILIES, flash_like_attention, meta_forward  # noqa: E402
 from .measure import RESULTS  # noqa: E402
 from ..devtools import comfy_env, template_memory  # noqa: E402
-from ..offload import Schedule, choose_resident_blocks, planner  # noqa: E402
+from ..offload import choose_resident_blocks, footprint, planner  # noqa: E402
 from ..offload.timing import costs as tm  # noqa: E402
 from ..offload.timing.choice import CLOSE_STEP, SETTINGS, choose_plan  # noqa: E402
 from ..offload.timing.step import predict  # noqa: E402
@@ -200,7 +200,7 @@ def rows_for(tc: TemplateCosts, gpu, plans, check=None) -> List[dict]:
         variants = [(s, False) for s in SETTINGS] + [((p, 1), True) for p in ("leading", "strided")]
         # residency_policy auto, as the node runs it: the fastest predicted setting among those that fit the card.
         fitting = [(policy, prefetch, r) for policy, prefetch in SETTINGS
-                   if Schedule(choose_resident_blocks(n, r, policy)).device_bytes(tc.costs.block_bytes, prefetch)
+                   if footprint(tc.costs.block_bytes, choose_resident_blocks(n, r, policy), prefetch).total
                    + fixed <= gpu.vram_bytes]
         candidates = fitting or [(policy, prefetch, r) for policy, prefetch in SETTINGS]
         choice = choose_plan(tc.costs, gpu, candidates)
@@ -211,7 +211,7 @@ def rows_for(tc: TemplateCosts, gpu, plans, check=None) -> List[dict]:
             costs = tc.lora_costs if lora else tc.costs
             chosen = choice.policy if policy == "auto" else policy
             p = choice.prediction if policy == "auto" else predict(costs, gpu, r, policy, prefetch)
-            device = Schedule(choose_resident_blocks(n, r, chosen)).device_bytes(costs.block_bytes, prefetch) + fixed
+            device = footprint(costs.block_bytes, choose_resident_blocks(n, r, chosen), prefetch).total + fixed
             rows.append(dict(GPU=gpu.name, template=tc.key, resident_count=r, policy=policy, chosen=chosen,
                              prefetch=prefetch,
                              predicted_step_ms=round(p.step_s * 1e3, 2), bound_ms=round(p.bound_s * 1e3, 2),
@@ -307,7 +307,7 @@ def sensitivity(templates: List[TemplateCosts], gpus, plans) -> List[str]:
                 fixed = (plans["context_and_desktop_bytes"] + plans["comfy_reserve_bytes"] + tc.non_block_bytes
                          + tc.activation_bytes)
                 for r in range(n + 1):
-                    device = Schedule(choose_resident_blocks(n, r, "leading")).device_bytes(tc.costs.block_bytes, 1)
+                    device = footprint(tc.costs.block_bytes, choose_resident_blocks(n, r, "leading"), 1).total
                     if device + fixed > g.vram_bytes:
                         continue
                     ratio = predict(tc.costs, variant, r, *BEFORE).ratio

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Sequence
 
-from ..offload import format_bytes
+from ..offload import format_bytes, format_rate, format_seconds
 
 # Below this share of the run spent waiting for copies, the copies count as hidden.
 HIDDEN_STALL_FRACTION = 0.02
@@ -49,11 +49,6 @@ def activation_words(source: str) -> str:
     return "roughly estimated" if source == "heuristic" else "estimated"
 
 
-def seconds(value: float) -> str:
-    """``0.42 s``, or ``12 ms`` below a tenth of a second (a tiny model's steps)."""
-    return f"{value:.2f} s" if value >= 0.1 else f"{value * 1e3:.0f} ms" if value >= 0.001 else f"{value * 1e3:.1f} ms"
-
-
 @dataclass(frozen=True)
 class RunReport:
     forwards: int
@@ -88,8 +83,8 @@ class RunReport:
     forwards_without_blocks: int = 0  # complete forwards in which no block ran through the offload's hooks
 
     @property
-    def disk_gbps(self) -> float:
-        return self.disk_bytes_read / self.disk_seconds / 1e9 if self.disk_seconds > 0 else 0.0
+    def disk_bytes_per_s(self) -> float:
+        return self.disk_bytes_read / self.disk_seconds if self.disk_seconds > 0 else 0.0
 
     def disk_figures(self) -> str:
         """The disk tier's part of the run line (empty when no block is on disk)."""
@@ -99,12 +94,12 @@ class RunReport:
         source = (f" ({self.disk_checkpoint_blocks} from the checkpoint file)"
                   if self.disk_checkpoint_blocks else "")
         return (f"{self.disk_blocks} blocks on disk{source}: {format_bytes(per_step)} read per {self.step_word} at "
-                f"{self.disk_gbps:.2f} GB/s, waited {seconds(self.per_step(self.disk_stall_seconds))} per "
-                f"{self.step_word} for reads")
+                f"{format_rate(self.disk_bytes_per_s)}, waited {format_seconds(self.per_step(self.disk_stall_seconds))} "
+                f"per {self.step_word} for reads")
 
     @property
-    def gbps(self) -> float:
-        return self.run_bytes / self.copy_seconds / 1e9 if self.copy_seconds > 0 else 0.0
+    def copy_bytes_per_s(self) -> float:
+        return self.run_bytes / self.copy_seconds if self.copy_seconds > 0 else 0.0
 
     @property
     def stall_fraction(self) -> float:
@@ -170,12 +165,12 @@ class RunReport:
             return line
         line = f"{format_bytes(self.bytes_per_step)} copied per {unit}"
         if self.copy_seconds > 0:
-            line += f" in {seconds(self.copy_per_step)} ({self.gbps:.2f} GB/s)"
+            line += f" in {format_seconds(self.copy_per_step)} ({format_rate(self.copy_bytes_per_s)})"
         if not self.asynchronous:
-            return line + f", on top of {seconds(self.compute_per_step)} of compute"
-        line += f", behind {seconds(self.compute_per_step)} of compute"
+            return line + f", on top of {format_seconds(self.compute_per_step)} of compute"
+        line += f", behind {format_seconds(self.compute_per_step)} of compute"
         if self.stall_fraction >= HIDDEN_STALL_FRACTION:
-            line += f"; waited {seconds(self.wait_per_step)} per {unit} for {self._wait_cause()}"
+            line += f"; waited {format_seconds(self.wait_per_step)} per {unit} for {self._wait_cause()}"
         return line
 
     def _wait_cause(self) -> str:
@@ -258,7 +253,7 @@ def recommend(report: RunReport, resident_block_bytes: Sequence[int]) -> str:
     per_forward_seconds = report.run_seconds / report.forwards
     copy_per_forward = report.copy_seconds / report.forwards
     spare = max(0.0, per_forward_seconds - copy_per_forward) * (1 - HIDDEN_STALL_FRACTION)
-    bandwidth = report.gbps * 1e9 if report.gbps > 0 else None
+    bandwidth = report.copy_bytes_per_s or None
     resident_sizes = list(resident_block_bytes)  # call order: the last ones are demoted first
     demote = 0
     freed = 0

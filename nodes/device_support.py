@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..offload import format_bytes
+
 CPU_LOOPBACK_ENV = "LAYERWISE_OFFLOAD_CPU_LOOPBACK"
 
 
@@ -48,7 +50,7 @@ def _device_name(device: torch.device) -> str:
     try:
         name = torch.cuda.get_device_name(device)
         total = torch.cuda.get_device_properties(device).total_memory
-        return f"{name}, {total / 2**30:.0f} GiB VRAM"
+        return f"{name}, {format_bytes(total)} VRAM"
     except Exception:  # noqa: BLE001 - a name is a nicety; the line must never stop the pack from loading
         return "GPU"
 

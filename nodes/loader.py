@@ -23,7 +23,7 @@ import torch
 import comfy.sd
 import folder_paths
 
-from ..offload import CheckpointError, CheckpointFile, locate
+from ..offload import CheckpointError, CheckpointFile, format_bytes, locate
 
 log = logging.getLogger("layerwise_offload")
 
@@ -132,8 +132,8 @@ def load_diffusion_model_layerwise(path: str, model_options: dict, disable_dynam
     model.cached_patcher_init = (load_diffusion_model_layerwise, (path, model_options))
     in_file = [p for p in model.model.parameters() if locate(p) is not None]
     kept = sum(p.numel() * p.element_size() for p in in_file)
-    log.info("[layerwise-offload] loaded %s: %d weights (%.2f of %.2f GiB) left in the file, the rest in RAM",
-             path, len(in_file), kept / 2**30, file_bytes / 2**30)
+    log.info("[layerwise-offload] loaded %s: %d weights (%s of %s) left in the file, the rest in RAM",
+             path, len(in_file), format_bytes(kept), format_bytes(file_bytes))
     return model
 
 

@@ -12,8 +12,8 @@ from typing import Optional, Tuple
 
 import comfy.model_management
 
-from ..offload import format_bytes
-from .advice import TIER_WORDS, activation_words, seconds, tiers_by_block
+from ..offload import format_bytes, format_seconds
+from .advice import TIER_WORDS, activation_words, tiers_by_block
 
 UI_KEY = "layerwise_offload"
 PASSTHROUGH_ATTACHMENT = "layerwise_offload_passed_through"
@@ -98,8 +98,8 @@ def _picture(report, controller) -> dict:
                         + ("" if loopback else f", {format_bytes(report.pinned_host_bytes)} pinned")},
         "time": {"unit": unit, "compute": report.compute_per_step, "copy": report.copy_per_step,
                  "wait": report.wait_per_step, "overlap": report.asynchronous,
-                 "text": f"per {unit}: compute {seconds(report.compute_per_step)}, copies "
-                         + (f"{seconds(report.copy_per_step)}" if report.bytes_per_forward else "none")},
+                 "text": f"per {unit}: compute {format_seconds(report.compute_per_step)}, copies "
+                         + (f"{format_seconds(report.copy_per_step)}" if report.bytes_per_forward else "none")},
     }
 
 

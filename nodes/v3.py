@@ -68,7 +68,7 @@ class LayerwiseOffload(io.ComfyNode):
     def validate_inputs(cls, host_store=None) -> bool | str:
         # host_store = disk is refused where the disk tier cannot run, so this input is checked here, and ComfyUI
         # then leaves it to us (a bad value too). Only host_store is named: ComfyUI reports a failure under every
-        # input this function names (residency_policy named too, a bad host_store was reported twice), and it
+        # input this function names (naming residency_policy too would report a bad host_store twice), and it
         # still checks the others' types, limits and (residency_policy) options itself.
         return host_store_problem(host_store) or True
 

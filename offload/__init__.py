@@ -15,8 +15,9 @@ from .host.environment import DISK_DIR_ENV, HostEnvironment, default_disk_folder
 from .host.packing import block_parameters
 from .manager import LayerwiseOffloadManager
 from .memory.pinning import clear_cuda_error, return_freed_host_memory
-from .planner import (ResidencyPlan, describe, estimate_activation_bytes, format_bytes, forward_activation_bytes,
-                      plan_residency, plan_streamed_tails, plan_weight_units, streamed_tails_plan)
+from .formatting import format_bytes, format_mib, format_rate, format_seconds
+from .planner import (ResidencyPlan, describe, estimate_activation_bytes, forward_activation_bytes, plan_residency,
+                      plan_streamed_tails, plan_weight_units, streamed_tails_plan)
 from .schedule import Footprint, Schedule, choose_resident_blocks, footprint, largest_fitting
 from .request import OffloadRequest
 from .stats import OffloadStats
@@ -53,6 +54,9 @@ __all__ = [
     "estimate_activation_bytes",
     "footprint",
     "format_bytes",
+    "format_mib",
+    "format_rate",
+    "format_seconds",
     "forward_activation_bytes",
     "largest_fitting",
     "locate",

@@ -35,7 +35,7 @@ class ActivationLine:
     bytes_per_token: int
 
 
-# Fitted (least relative squares, every row within 1.1 %) to bench/results/activation_memory.csv; refit when
+# Fitted (least relative squares) to bench/results/activation_memory.csv; refit when
 # that table is remade. tests/unit/test_planner.py checks every row against these lines.
 LINES: Tuple[ActivationLine, ...] = (
     ActivationLine("flux1", "Flux", 3072, 16, 4, 58_234_376, 99_989),

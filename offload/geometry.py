@@ -11,7 +11,7 @@ from typing import List, Optional
 
 from .config import OffloadConfig
 from .host.packing import BlockLayout, plan_layout
-from .schedule import Footprint, Schedule
+from .schedule import Footprint, Schedule, footprint
 
 
 class BlockGeometry:
@@ -74,7 +74,7 @@ class BlockGeometry:
     def footprint(self, schedule: Schedule, config: OffloadConfig) -> Footprint:
         """What ``schedule`` holds on the device once armed under ``config``: resident buffers, streamed blocks'
         heads, the slot ring."""
-        return schedule.footprint(self.block_nbytes(), config.prefetch_size, self.block_tails(config))
+        return footprint(self.block_nbytes(), schedule.resident, config.prefetch_size, self.block_tails(config))
 
     def host_ram_bytes(self, staging_bytes: int = 0) -> int:
         """Host RAM the blocks in the RAM tier take (packed, or not yet), plus the disk tier's ``staging_bytes``."""

@@ -5,9 +5,9 @@ ComfyUI's ``get_free_memory``), passes the reserve it wants kept (ComfyUI's mini
 memory / ``--reserve-vram``), an activation estimate and whatever non-block weights still have to be
 placed (embedders, final layer), and gets back a :class:`ResidencyPlan`.
 
-What a plan holds on the device is exactly what :meth:`LayerwiseOffloadManager.planned_device_bytes`
-reports once armed: every resident block's own buffer, plus ``min(prefetch_size + 1, streamed)``
-slots sized to the largest streamed block. Both depend on which blocks are resident, and so on the
+What a plan holds on the device is its :func:`~.schedule.footprint`, the figure the manager reports once armed
+(:meth:`LayerwiseOffloadManager.planned_device_bytes`): every resident block's own buffer, plus a ring of slots
+sized to the largest streamed block. Both depend on which blocks are resident, and so on the
 policy (``strided`` picks a different set than ``leading``), so the footprint is not monotonic in the
 resident count: keeping one more block can shrink the slots (it was the largest streamed one, or the
 slot count drops once fewer blocks stream than the window holds), and keeping every block removes
@@ -23,10 +23,11 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 
 from .activation_model import find_line, line_bytes, tokens_for
 from .config import POLICIES
-from .schedule import choose_resident_blocks, footprint, largest_fitting, tail_within
+from .formatting import format_bytes
+from .schedule import Footprint, choose_resident_blocks, footprint, largest_fitting, tail_within
 
-__all__ = ["ResidencyPlan", "plan_residency", "plan_streamed_tails", "streamed_tails_plan", "ActivationEstimate", "forward_activation_bytes",
-           "estimate_activation_bytes", "describe", "format_bytes"]
+__all__ = ["ResidencyPlan", "plan_residency", "plan_streamed_tails", "streamed_tails_plan", "plan_weight_units",
+           "ActivationEstimate", "forward_activation_bytes", "estimate_activation_bytes", "describe"]
 
 
 @dataclass(frozen=True)
@@ -35,41 +36,67 @@ class ResidencyPlan:
 
     resident_count: blocks kept on the device (pass it as ``resident_layers``; 0 streams all).
     resident: per block (call order), whether it stays resident under ``policy``.
-    resident_bytes / streamed_bytes: bytes of the resident / streamed blocks' own buffers.
-    slot_bytes: the streaming slots, ``min(prefetch_size + 1, streamed) * largest streamed block``.
-    required_bytes: resident + slots + activations + reserve + non-block bytes.
+    footprint: what the plan holds on the device once armed (:func:`~.schedule.footprint`): residents, the streamed
+        blocks' heads, the streaming slots; its parts read as the plan's own (``resident_bytes``, ``slot_bytes``...).
+    required_bytes: the footprint + activations + reserve + non-block bytes.
     headroom_bytes: ``free - required`` (negative when the plan does not fit).
     fits: whether ``required <= free``; when False even streaming every block does not fit, and
         the plan is the resident_count=0 plan, reported so the caller can say by how much.
+    tails: per block, the bytes it streams (its tail); (): whole blocks.
     """
 
     num_blocks: int
     resident_count: int
     resident: Tuple[bool, ...]
-    resident_bytes: int
-    streamed_bytes: int
-    slot_bytes: int
-    slot_count: int
+    footprint: Footprint
     activation_bytes: int
     reserve_bytes: int
     non_block_bytes: int
     free_bytes: int
-    required_bytes: int
-    headroom_bytes: int
-    fits: bool
     policy: str
     prefetch_size: int
-    head_bytes: int = 0  # the streamed blocks' heads (with streamed tails)
-    tails: Tuple[int, ...] = ()  # per block, the bytes it streams (its tail); (): whole blocks
+    tails: Tuple[int, ...] = ()
 
     @property
     def streamed_count(self) -> int:
         return self.num_blocks - self.resident_count
 
     @property
+    def resident_bytes(self) -> int:
+        return self.footprint.resident_bytes
+
+    @property
+    def streamed_bytes(self) -> int:
+        return self.footprint.streamed_bytes
+
+    @property
+    def head_bytes(self) -> int:
+        return self.footprint.head_bytes
+
+    @property
+    def slot_count(self) -> int:
+        return self.footprint.slot_count
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.footprint.slot_bytes
+
+    @property
     def device_bytes(self) -> int:
         """What the manager itself will hold once armed (residents, heads and slots)."""
-        return self.resident_bytes + self.head_bytes + self.slot_bytes
+        return self.footprint.total
+
+    @property
+    def required_bytes(self) -> int:
+        return self.footprint.total + self.activation_bytes + self.reserve_bytes + self.non_block_bytes
+
+    @property
+    def headroom_bytes(self) -> int:
+        return self.free_bytes - self.required_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.required_bytes <= self.free_bytes
 
 
 def _check_bytes(name: str, value) -> int:
@@ -111,24 +138,16 @@ def plan_residency(block_bytes: Sequence[int], free_bytes: int, *, reserve_bytes
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {policy!r}")
 
-    overhead = activation_bytes + reserve_bytes + non_block_bytes
     n = len(sizes)
 
-    def required(count: int) -> int:
-        return footprint(sizes, choose_resident_blocks(n, count, policy), prefetch_size).total + overhead
+    def plan_for(count: int) -> ResidencyPlan:
+        resident = choose_resident_blocks(n, count, policy)
+        return ResidencyPlan(
+            num_blocks=n, resident_count=count, resident=resident, footprint=footprint(sizes, resident, prefetch_size),
+            activation_bytes=activation_bytes, reserve_bytes=reserve_bytes, non_block_bytes=non_block_bytes,
+            free_bytes=free_bytes, policy=policy, prefetch_size=int(prefetch_size))
     start = n if max_resident is None else max(0, min(n, int(max_resident)))
-    count = largest_fitting(lambda c: required(c) <= free_bytes, start)
-    resident = choose_resident_blocks(n, count, policy)
-    plan = footprint(sizes, resident, prefetch_size)
-    need = plan.total + overhead
-    return ResidencyPlan(
-        num_blocks=n, resident_count=count, resident=tuple(resident),
-        resident_bytes=plan.resident_bytes, streamed_bytes=plan.streamed_bytes,
-        slot_bytes=plan.slot_bytes, slot_count=plan.slot_count,
-        activation_bytes=activation_bytes, reserve_bytes=reserve_bytes,
-        non_block_bytes=non_block_bytes, free_bytes=free_bytes,
-        required_bytes=need, headroom_bytes=free_bytes - need,
-        fits=need <= free_bytes, policy=policy, prefetch_size=int(prefetch_size))
+    return plan_for(largest_fitting(lambda count: plan_for(count).fits, start))
 
 
 def plan_streamed_tails(block_bytes: Sequence[int], tail_options: Sequence[Sequence[int]], free_bytes: int, *,
@@ -139,32 +158,31 @@ def plan_streamed_tails(block_bytes: Sequence[int], tail_options: Sequence[Seque
     tail can have (``manager.tail_options()``, ascending, the whole block last). Its ``tails`` go to the manager as
     ``streamed_tail_bytes``.
 
-    The device holds every block but its tail, plus ``prefetch_size + 1`` slots of the largest tail ``M``: it fits
-    when the tails sum to at least ``D(M) = blocks + slots(M) - room``. For each ``M`` (from the smallest that can
-    fit, ``tries`` of them), every block starts at its largest tail within ``M``; then, the blocks that could give
-    the most first, each tail is lowered to its smallest option the excess over ``D(M)`` still covers. The plan that
-    streams the fewest bytes wins. Spreading the streamed bytes over every block keeps the slots (paid
-    ``prefetch_size + 1`` times) as small as the budget allows."""
+    The device holds every block's head, plus ``prefetch_size + 1`` slots of the largest tail ``M``. For each ``M``
+    (from the smallest that can fit, ``tries`` of them), every block starts at its largest tail within ``M``; then,
+    the blocks that could give the most first, each tail is lowered to its smallest option the room left beside
+    that footprint still covers (what a tail gives up stays in its head). The plan that streams the fewest bytes
+    wins. Spreading the streamed bytes over every block keeps the slots (paid ``prefetch_size + 1`` times) as small
+    as the budget allows."""
     sizes = [_check_bytes(f"block_bytes[{i}]", s) for i, s in enumerate(block_bytes)]
     if len(tail_options) != len(sizes):
         raise ValueError(f"tail_options has {len(tail_options)} blocks, block_bytes {len(sizes)}")
     overhead = activation_bytes + reserve_bytes + non_block_bytes
     room = free_bytes - overhead
-    n, total = len(sizes), sum(sizes)
-    slots = min(prefetch_size + 1, n)
+    n = len(sizes)
+    streams_all = (False,) * n
     best = None
     left = tries
     for largest in sorted({t for options in tail_options for t in options}):
         tails = [tail_within(options, largest) for options in tail_options]
-        need = total + slots * max(tails) - room  # the tails must sum to this much at least
-        excess = sum(tails) - need
+        excess = room - footprint(sizes, streams_all, prefetch_size, tails).total
         if excess < 0:
             continue
         for i in sorted(range(n), key=lambda i: tails[i] - tail_options[i][0], reverse=True):
             lower = next(t for t in tail_options[i] if tails[i] - t <= excess)
             excess -= tails[i] - lower
             tails[i] = lower
-        plan = footprint(sizes, (False,) * n, prefetch_size, tails)
+        plan = footprint(sizes, streams_all, prefetch_size, tails)
         if plan.total <= room and (best is None or plan.streamed_bytes < best[0].streamed_bytes):
             best = (plan, tails)
         left -= 1
@@ -184,14 +202,11 @@ def streamed_tails_plan(block_bytes: Sequence[int], tails: Sequence[int], free_b
     bytes) of every other block, and whether it fits."""
     n = len(block_bytes)
     resident = choose_resident_blocks(n, resident_count, "leading")
-    plan = footprint(block_bytes, resident, prefetch_size, tails)
-    need = plan.total + activation_bytes + reserve_bytes + non_block_bytes
     return ResidencyPlan(
-        num_blocks=n, resident_count=resident_count, resident=resident, resident_bytes=plan.resident_bytes,
-        streamed_bytes=plan.streamed_bytes, slot_bytes=plan.slot_bytes, slot_count=plan.slot_count,
-        activation_bytes=activation_bytes, reserve_bytes=reserve_bytes, non_block_bytes=non_block_bytes,
-        free_bytes=free_bytes, required_bytes=need, headroom_bytes=free_bytes - need, fits=need <= free_bytes,
-        policy="leading", prefetch_size=int(prefetch_size), head_bytes=plan.head_bytes, tails=tuple(tails))
+        num_blocks=n, resident_count=resident_count, resident=resident,
+        footprint=footprint(block_bytes, resident, prefetch_size, tails), activation_bytes=activation_bytes,
+        reserve_bytes=reserve_bytes, non_block_bytes=non_block_bytes, free_bytes=free_bytes, policy="leading",
+        prefetch_size=int(prefetch_size), tails=tuple(tails))
 
 
 def _trade_tails(tails: List[int], tail_options: Sequence[Sequence[int]], streamed: Iterable[int], bound: int,
@@ -250,8 +265,8 @@ def plan_weight_units(unit_bytes: Sequence[int], tail_options: Sequence[Sequence
     if len(tail_options) != len(sizes):
         raise ValueError(f"tail_options has {len(tail_options)} units, unit_bytes {len(sizes)}")
     room = free_bytes - activation_bytes - reserve_bytes - non_block_bytes
-    n, total = len(sizes), sum(sizes)
-    if total <= room:  # everything resident: nothing streams
+    n = len(sizes)
+    if sum(sizes) <= room:  # everything resident: nothing streams
         return streamed_tails_plan(sizes, sizes, free_bytes, reserve_bytes=reserve_bytes,
                                    activation_bytes=activation_bytes, non_block_bytes=non_block_bytes,
                                    prefetch_size=prefetch_size, resident_count=n)
@@ -262,15 +277,15 @@ def plan_weight_units(unit_bytes: Sequence[int], tail_options: Sequence[Sequence
         if count == n:
             continue
         tails = list(sizes[:count]) + [tail_within(options, bound) for options in tail_options[count:]]
-        slots = min(prefetch_size + 1, n - count)
-        need = total + slots * max(tails[count:]) - room
-        excess = sum(tails[count:]) - need
+        start = footprint(sizes, choose_resident_blocks(n, count, "leading"), prefetch_size, tails)
+        excess = room - start.total
         if excess < 0:
             continue
         # More of the leading units resident while the rest still covers the deficit: a unit that can stream only
         # whole (a bias-free Linear) would otherwise move every byte of it for nothing. The others are lowered to
-        # their smallest tail instead (a bias), where a trade below can still raise them.
-        while n - count > slots and len(tail_options[count]) == 1 and tails[count] <= excess:
+        # their smallest tail instead (a bias), where a trade below can still raise them. The slot count stays
+        # while more units stream than it.
+        while n - count > start.slot_count and len(tail_options[count]) == 1 and tails[count] <= excess:
             excess -= tails[count]
             tails[count] = sizes[count]
             count += 1
@@ -349,16 +364,6 @@ def estimate_activation_bytes(tokens: int, hidden: int, dtype_bytes: int = 2, ba
     if attention_heads:
         total += batch * attention_heads * tokens * tokens * 2 * score_bytes
     return int(total)
-
-
-def format_bytes(nbytes: int) -> str:
-    """``11.2 GiB`` from 0.1 GiB up, else MiB / KiB / B; keeps the sign."""
-    sign = "-" if nbytes < 0 else ""
-    value = abs(nbytes)
-    for unit, scale, floor in (("GiB", 2**30, 2**30 // 10), ("MiB", 2**20, 2**20 // 10), ("KiB", 2**10, 2**10 // 10)):
-        if value >= floor:
-            return f"{sign}{value / scale:.1f} {unit}"
-    return f"{sign}{value} B"
 
 
 def describe(plan: ResidencyPlan) -> str:

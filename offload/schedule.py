@@ -116,12 +116,9 @@ class Schedule:
             positions.append(k % len(streamed) if streamed else 0)
         return tuple(positions)
 
-    def footprint(self, sizes: Sequence[int], prefetch_size: int, tails: Optional[Sequence[int]] = None) -> Footprint:
-        """What the plan holds on the device once armed (:func:`footprint`)."""
-        return footprint(sizes, self.resident, prefetch_size, tails)
-
     def device_bytes(self, sizes: Sequence[int], prefetch_size: int, tails: Optional[Sequence[int]] = None) -> int:
-        return self.footprint(sizes, prefetch_size, tails).total
+        """What the plan holds on the device once armed (:func:`footprint`)."""
+        return footprint(sizes, self.resident, prefetch_size, tails).total
 
     def upcoming_streamed(self, after_block: int, count: int) -> List[int]:
         """The next ``count`` streamed blocks after ``after_block``, wrapping into the next step."""

@@ -180,7 +180,7 @@ class WrapperPointer:
     """Points one wrapper-subclass parameter (a quantized weight) at weights of its kind, many times, cheaply.
 
     :func:`point_param_at` builds a throwaway object over the target's inner tensors and swaps it in with
-    ``torch.utils.swap_tensors``: about 25 us a weight, twice per streamed block per step. Here the parameter is
+    ``torch.utils.swap_tensors``, twice per streamed block per step: costly at every weight. Here the parameter is
     given, once, contents of its own: an object built by the class's ``__tensor_unflatten__`` over *aliases* of the
     target's inner tensors (views nobody else holds), swapped in whole like :func:`point_param_at` does. From then
     on pointing it elsewhere re-points those aliases (``.data =``: no kernel, no copy) and, when the device changes,

@@ -196,19 +196,18 @@ def block_geometry(template):
 def our_plan(template, budget_bf16: int, tails: bool = True):
     """(streamed bytes, resident count, policy, largest tail) of the node's plan under ``budget_bf16`` (``tails``:
     streamed tails among the candidates); None where none fits."""
-    from ...offload import Schedule, choose_resident_blocks, largest_fitting, plan_streamed_tails
+    from ...offload import choose_resident_blocks, footprint, largest_fitting, plan_streamed_tails
 
     sizes, options, non_block = block_geometry(template)
     room = budget_bf16 - non_block
     best = None
     for policy in ("leading", "strided"):
         def fits(count, policy=policy):
-            return Schedule(choose_resident_blocks(len(sizes), count, policy)).device_bytes(sizes, 1) <= room
+            return footprint(sizes, choose_resident_blocks(len(sizes), count, policy), 1).total <= room
         if not fits(0):
             continue
         count = largest_fitting(fits, len(sizes))
-        resident = Schedule(choose_resident_blocks(len(sizes), count, policy))
-        streamed = sum(sizes[i] for i in resident.streamed_blocks)
+        streamed = footprint(sizes, choose_resident_blocks(len(sizes), count, policy), 1).streamed_bytes
         if best is None or streamed < best[0]:
             best = (streamed, count, policy, 0)
     if tails:
@@ -242,8 +241,7 @@ def our_unit_plan(template, budget_bf16: int):
     plan = plan_weight_units(sizes, options, budget_bf16 - rest, prefetch_size=1)
     if plan is None:
         return None
-    streamed = [tail for tail, keep in zip(plan.tails, plan.resident) if not keep]
-    return plan.streamed_bytes, plan.resident_count, len(sizes), max(streamed)
+    return plan.streamed_bytes, plan.resident_count, len(sizes), plan.footprint.slot_size
 
 
 def templates(keys=None):

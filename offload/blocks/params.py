@@ -56,7 +56,7 @@ class _Pointing:
         self.inference = inference
         # Subclass parameters (GGUF, quantized wrappers) run every attribute access and ``.data =`` through
         # ``Tensor.__torch_function__``, which only calls the same function with torch functions off: when none of
-        # them overrides it, the pointing runs with torch functions off at once (the same calls, ten times faster).
+        # them overrides it, the pointing runs with torch functions off at once (the same calls, without the dispatch).
         subclasses = {type(param) for param in self.params} - {torch.Tensor, nn.Parameter}
         self.plain_torch_function = bool(subclasses) and all(
             getattr(cls.__torch_function__, "__func__", None) is _DEFAULT_TORCH_FUNCTION for cls in subclasses)

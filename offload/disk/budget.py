@@ -39,8 +39,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from .checkpoint import is_mapped
 from ..config import HOST_STORES
 from .mappings import MappedFiles
-from .read_rate import format_rate
-from ..planner import format_bytes
+from ..formatting import format_mib, format_rate, format_seconds
 
 __all__ = ["DISK_STALL_BUDGET_S", "HOST_STORES", "PACKING_SLACK_BYTES", "RAM_FLOOR_BYTES", "RAM_MARGIN_BYTES",
            "TierPlan", "freed_by_packing", "plan_host_tiers", "refusal", "shortfall_sum"]
@@ -52,8 +51,8 @@ PACKING_SLACK_BYTES = 64 * 2**20
 RAM_MARGIN_BYTES = 512 * 2**20
 # ... where the disk is fast enough; on a slower disk only this much (RAM then leaves no choice).
 RAM_FLOOR_BYTES = 256 * 2**20
-# What the blocks auto puts on disk only to keep its margin may cost a step in reads: half a second, about half a
-# Flux-dev step on an RTX 4090 (an NVMe SSD reads a GB or more in it, an HDD less than one bf16 Flux block).
+# What the blocks auto puts on disk only to keep its margin may cost a step in reads: a fraction of a large model's
+# step, in which an SSD reads many blocks and a hard disk less than one (docs/internals.md).
 DISK_STALL_BUDGET_S = 0.5
 
 
@@ -219,7 +218,7 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
         per_s, how = rate()
         if per_s is None:
             return "" if said else f"the disk's read rate is unknown ({how})"
-        return (f"reading their {_size(nbytes)} takes {_seconds(nbytes / per_s)} per step where all are "
+        return (f"reading their {format_mib(nbytes)} takes {format_seconds(nbytes / per_s)} per step where all are "
                 f"streamed, at {format_rate(per_s)}" + ("" if said else f" ({how})"))
 
     if mode == "ram":
@@ -273,17 +272,17 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
                 spent += sizes[index]
                 afford += 1
             count = forced + afford
-            why = (f"disk too slow for auto's {margin / 2**20:.0f} MiB RAM margin: {len(optional) - afford} blocks "
-                   f"that keep it would take {_seconds((optional_bytes - spent) / per_s)} more per step to read at "
-                   f"{format_rate(per_s)} ({how}), over the {_seconds(stall_budget_s)} auto allows, so they stay "
-                   f"in RAM")
+            why = (f"disk too slow for auto's {format_mib(margin)} RAM margin: {len(optional) - afford} blocks "
+                   f"that keep it would take {format_seconds((optional_bytes - spent) / per_s)} more per step to "
+                   f"read at {format_rate(per_s)} ({how}), over the {format_seconds(stall_budget_s)} auto allows, so "
+                   f"they stay in RAM")
         elif per_s is None:
             why = (f"the disk's read rate is unknown ({how}): {len(optional)} blocks on disk keep auto's "
-                   f"{margin / 2**20:.0f} MiB RAM margin, as on a fast disk")
+                   f"{format_mib(margin)} RAM margin, as on a fast disk")
         else:
-            why = (f"disk fast enough: {len(optional)} blocks on disk keep auto's {margin / 2**20:.0f} MiB RAM margin "
-                   f"({_size(optional_bytes)}, {_seconds(optional_bytes / per_s)} per step at {format_rate(per_s)} "
-                   f"({how}), within the {_seconds(stall_budget_s)} auto allows)")
+            why = (f"disk fast enough: {len(optional)} blocks on disk keep auto's {format_mib(margin)} RAM margin "
+                   f"({format_mib(optional_bytes)}, {format_seconds(optional_bytes / per_s)} per step at "
+                   f"{format_rate(per_s)} ({how}), within the {format_seconds(stall_budget_s)} auto allows)")
     best = with_disk(count, tight)
     if not fits(best) and fits(in_ram):
         best = in_ram  # the disk plan's ring does not fit where packing into RAM does
@@ -292,13 +291,13 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     free_after = best.free_after()
     kept_free = min(floor, margin)
     forced_words = ("" if not forced else
-                    f"RAM short: {forced} blocks must go to disk to leave {kept_free / 2**20:.0f} MiB free"
+                    f"RAM short: {forced} blocks must go to disk to leave {format_mib(kept_free)} free"
                     if free_after >= kept_free else
                     f"RAM short: {forced} blocks must go to disk for the plan to fit (less than the "
-                    f"{kept_free / 2**20:.0f} MiB auto keeps free where it can)")
-    beside = (f" beside the {device_share / 2**20:.0f} MiB the CPU loopback's slots and residents take"
+                    f"{format_mib(kept_free)} auto keeps free where it can)")
+    beside = (f" beside the {format_mib(device_share)} the CPU loopback's slots and residents take"
               if device_share else "")
-    head = (f"host RAM: {available / 2**20:.0f} MiB available, {free_after / 2**20:.0f} MiB left{beside} with "
+    head = (f"host RAM: {format_mib(available)} available, {format_mib(free_after)} left{beside} with "
             f"{best.disk_blocks} blocks on disk")
     parts = [head] + [words for words in (forced_words, why) if words]
     if best.disk_blocks:
@@ -306,15 +305,6 @@ def plan_host_tiers(sizes: Sequence[int], freed: Sequence[int], mode: str, avail
     known = rate_known[0][0] if rate_known else None
     return TierPlan(best.disk, best.peak_bytes, best.growth_bytes, best.ring_bytes, available, margin,
                     "; ".join(parts), known, best.tight_ring, device_share)
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else (
-        f"{nbytes / 2**20:.0f} MiB" if nbytes >= 10 * 2**20 else format_bytes(nbytes))
-
-
-def _seconds(value: float) -> str:
-    return f"{value:.2f} s" if value >= 0.1 else f"{value * 1e3:.2f} ms"
 
 
 def _mib_up(nbytes: int) -> int:

@@ -26,6 +26,8 @@ from typing import Optional, Set
 
 import torch
 
+from ..formatting import format_bytes
+
 log = logging.getLogger("layerwise_offload")
 
 __all__ = ["ALIGN", "DiskTierError", "CacheFile", "PROBE_PREFIX", "padded", "remove_stale_files",
@@ -162,7 +164,7 @@ class CacheFile:
             raise _fail(folder, "the folder cannot be read", error) from error
         free = stat.f_bavail * stat.f_frsize
         if expected_bytes > free:
-            raise _fail(folder, f"it has {free / 2**30:.2f} GiB free and the blocks need {expected_bytes / 2**30:.2f} GiB")
+            raise _fail(folder, f"it has {format_bytes(free)} free and the blocks need {format_bytes(expected_bytes)}")
         if _filesystem_type(folder) in _TMPFS_MAGIC_TYPES:
             log.warning("[layerwise-offload] the disk tier's folder %s is in RAM (tmpfs): it saves no host memory; "
                         "point LAYERWISE_OFFLOAD_DISK_DIR at a folder on a real disk", folder)

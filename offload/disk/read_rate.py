@@ -27,11 +27,12 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Dict
 
 from .cache_file import ALIGN, PROBE_PREFIX, aligned_buffer
+from ..formatting import format_mib, format_seconds
 
-__all__ = ["DISK_READ_RATE_ENV", "PROBE_BYTES", "PROBE_SECONDS", "DiskReadRate", "disk_read_rate", "format_rate",
+__all__ = ["DISK_READ_RATE_ENV", "PROBE_BYTES", "PROBE_SECONDS", "DiskReadRate", "disk_read_rate",
            "forget_measured_rates", "parse_read_rate"]
 
 DISK_READ_RATE_ENV = "LAYERWISE_OFFLOAD_DISK_READ_RATE"
@@ -61,14 +62,6 @@ def parse_read_rate(text: str) -> float:
                          f"second above 0, as a number with an optional unit (150MB/s, 2.5GB/s, 800MiB/s, 1.5e9), "
                          f"or unset it to have the disk measured")
     return value
-
-
-def format_rate(bytes_per_s: float) -> str:
-    """``2.50 GB/s``, ``150 MB/s``, ``8.2 MB/s``, ``1.0 kB/s`` (decimal units, as disks are sold)."""
-    for unit, scale, digits in (("GB/s", 1e9, 2), ("MB/s", 10e6, 0), ("MB/s", 1e6, 1)):
-        if bytes_per_s >= scale:
-            return f"{bytes_per_s / (1e6 if unit == 'MB/s' else scale):.{digits}f} {unit}"
-    return f"{bytes_per_s / 1e3:.1f} kB/s"
 
 
 @dataclass(frozen=True)
@@ -177,4 +170,4 @@ def _timed_read(path: str, nbytes: int):
     if done <= 0:
         raise OSError(f"nothing could be read from {path} to measure its read rate")
     mode = "O_DIRECT" if direct else "page cache dropped first"
-    return done / elapsed, f"{done / 2**20:.0f} MiB in {elapsed:.2f} s, {mode}"
+    return done / elapsed, f"{format_mib(done)} in {format_seconds(elapsed)}, {mode}"

@@ -34,7 +34,7 @@ class HostEnvironment:
     ``device_bytes_from_host`` (a device whose memory is host RAM, as the CPU loopback's): what the device will
     take beyond what it holds now (the armed plan's slots and residents, scratch beside them). The host store plans
     with that much less, as it would beside a GPU holding them in VRAM; otherwise it fills the RAM the slots are
-    then allocated from (a 10.8 GiB Flux in a 5.2 GiB cgroup: 4.3 GiB packed, then 1.3 GiB of slots, OOM-killed).
+    then allocated from, and the process runs out of memory once they are.
     """
 
     pinner: Any = DEVICE_DEFAULT

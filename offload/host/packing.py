@@ -19,6 +19,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from ..formatting import format_bytes
 from ..memory.pinning import Pinner, PinLedger
 from ..schedule import tail_within
 from ..weights import RebuildFn, weight_parts
@@ -33,8 +34,8 @@ ALIGNMENT_BYTES = 256
 PAGE_BYTES = mmap.PAGESIZE
 # Every entry starts on a page of its own. A released block's parameters view the store, and ComfyUI run without the
 # node page-locks each weight it leaves in RAM on its own: a weight starting on a page another weight locked first
-# is refused as "already registered", and ComfyUI 0.3.75 leaves that error set for its next CUDA call to raise (seen
-# on an H200: its lowvram run after the node's). A page is a multiple of ALIGNMENT_BYTES, so cuBLASLt's holds too.
+# is refused as "already registered", and ComfyUI 0.3.75 leaves that error set for its next CUDA call to raise
+# (bench/results/gpu/README.md). A page is a multiple of ALIGNMENT_BYTES, so cuBLASLt's holds too.
 ENTRY_ALIGNMENT_BYTES = max(ALIGNMENT_BYTES, PAGE_BYTES)
 
 
@@ -223,7 +224,7 @@ def allocate_host_buffer(nbytes: int) -> torch.Tensor:
     """A pageable uint8 host buffer of exactly ``nbytes`` that owns every page it touches, its storage starting on
     the first: torch's ``is_pinned()`` asks about a storage's first byte, so a view of a buffer whose pages are
     page-locked reads as pinned, and ComfyUI, which page-locks the weights it leaves in RAM unless they read as
-    pinned, does not try again what is locked (refused as "already registered" on an H200). Anonymous pages of their
+    pinned, does not try again what is locked (CUDA would refuse it as "already registered"). Anonymous pages of their
     own, returned to the OS when the buffer is freed; page-locking is the store's pin ledger's job."""
     pages = mmap.mmap(-1, _align(max(nbytes, 1), PAGE_BYTES))
     return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes]
@@ -324,9 +325,9 @@ class HostStore:
         if not pinned and not self._warned_pin:
             self._warned_pin = True
             reason = "refused" if self.ledger.pinner is not None else "no CUDA runtime to page-lock with"
-            log.warning("[layerwise-offload] could not pin %.1f MiB of host memory (%s); each block that is "
+            log.warning("[layerwise-offload] could not pin %s of host memory (%s); each block that is "
                         "refused stays pageable (its copies are slower), the others are still pinned",
-                        buffer.numel() / 2**20, reason)
+                        format_bytes(buffer.numel()), reason)
         return pinned
 
     def _drop_buffer(self, index: int) -> None:

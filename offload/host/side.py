@@ -12,6 +12,7 @@ from ..disk.checkpoint import drop_cached_pages
 from ..disk.budget import TierPlan
 from ..disk.tier import CHUNK_BYTES, DiskSource, DiskTier
 from ..disk.mappings import MappedFiles, checkpoint_extents
+from ..formatting import format_bytes
 from ..memory.ram import pinnable_bytes
 from ..memory.pinning import default_pinner, return_freed_host_memory
 from .environment import DEVICE_DEFAULT, HostEnvironment
@@ -242,9 +243,9 @@ class HostSide:
             warning_key = (tuple(streamed), total)
             if total < requested and warning_key != self._last_pin_warning:
                 self._last_pin_warning = warning_key
-                log.warning("[layerwise-offload] page-locking %.2f of %.2f GiB of streamed blocks to keep host memory "
+                log.warning("[layerwise-offload] page-locking %s of %s of streamed blocks to keep host memory "
                             "free (pinned memory cannot be swapped); the rest stays pageable and copies from it are "
-                            "slower", total / 2**30, requested / 2**30)
+                            "slower", format_bytes(total), format_bytes(requested))
         pinned = store.pinned
         # Only the blocks whose membership changed: re-registering gigabytes that stayed would cost seconds.
         for index in [i for i in range(len(self.blocks)) if (i in chosen) != pinned[i]]:

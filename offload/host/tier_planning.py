@@ -15,6 +15,7 @@ from ..disk.checkpoint import locate
 from ..disk.mappings import MappedFiles
 from ..disk.read_rate import disk_read_rate
 from ..disk.tier import CHUNK_BYTES, staging_ring_bytes
+from ..formatting import format_mib
 from ..memory.ram import available_host_bytes
 from .environment import HostEnvironment
 from .packing import block_parameters, plan_layout
@@ -136,6 +137,6 @@ class TierPlanner:
         if unsupported is None and plan.disk_blocks < len(self.blocks):
             waiting = range(len(self.blocks)) if waiting is None else waiting
             disk_fits = self.plan(waiting, "disk", disk=disk).shortfall() is None
-        ring = (f"{self.ring_size} chunks of at most {disk_tier.CHUNK_BYTES / 2**20:.0f} MiB, "
-                f"{disk_tier.TIGHT_CHUNK_BYTES / 2**20:.0f} MiB where RAM is short")
+        ring = (f"{self.ring_size} chunks of at most {format_mib(disk_tier.CHUNK_BYTES)}, "
+                f"{format_mib(disk_tier.TIGHT_CHUNK_BYTES)} where RAM is short")
         return refusal(plan, settings, ring, len(self.blocks), unsupported, disk_fits)

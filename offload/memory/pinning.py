@@ -26,6 +26,8 @@ from typing import Dict, Optional, Protocol
 
 import torch
 
+from ..formatting import format_bytes
+
 log = logging.getLogger("layerwise_offload")
 
 __all__ = ["Pinner", "CudaHostRegisterPinner", "clear_cuda_error", "PinLedger", "copy_finished", "default_pinner",
@@ -141,7 +143,7 @@ class PinLedger:
         try:
             granted = bool(self.pinner.register(tensor))
         except RuntimeError as error:
-            log.warning("[layerwise-offload] page-locking %.1f MiB failed (%s)", nbytes / 2**20, error)
+            log.warning("[layerwise-offload] page-locking %s failed (%s)", format_bytes(nbytes), error)
             granted = False
         if granted:
             self._pinned[key] = tensor

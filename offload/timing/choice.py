@@ -15,7 +15,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from ..schedule import Schedule, choose_resident_blocks
+from ..schedule import choose_resident_blocks, footprint
 from .costs import GPUS, GpuSpec, ModelCosts, block_flops, model_costs
 from .step import Prediction, predict
 
@@ -115,8 +115,8 @@ def choose_plan(costs: ModelCosts, gpu: GpuSpec, candidates: Sequence[tuple], mo
     scored = []
     for policy, prefetch, count, *rest in candidates:
         tails = tuple(rest[0]) if rest and rest[0] else ()
-        nbytes = Schedule(choose_resident_blocks(costs.num_blocks, count, policy)).device_bytes(
-            costs.block_bytes, prefetch, tails or None)
+        nbytes = footprint(costs.block_bytes, choose_resident_blocks(costs.num_blocks, count, policy), prefetch,
+                           tails or None).total
         scored.append(PlanChoice(policy, prefetch, count, nbytes,
                                  model(costs, gpu, count, policy, prefetch, tails=tails or None), tails))
     fastest = min(c.prediction.step_s for c in scored)

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torch import nn
 
+from ..schedule import footprint
 from ..weights import cast_nbytes, weight_format
 
 __all__ = ["GpuSpec", "GPUS", "DIT_EFFICIENCY", "HOST_S_PER_STREAMED_BLOCK", "HOST_S_PER_STREAMED_BLOCK_FP8",
@@ -21,8 +22,7 @@ __all__ = ["GpuSpec", "GPUS", "DIT_EFFICIENCY", "HOST_S_PER_STREAMED_BLOCK", "HO
 
 DIT_EFFICIENCY = 0.7  # a DiT block's kernels (GEMMs, flash attention, norms, RoPE, gates) vs a big square GEMM
 # The manager's Python time per streamed block, by weight format: the worst median of the "after" rows of
-# bench/results/host_time.csv (bench/studies/host_time.py on the project's 2-core CPU, ComfyUI 0.3.75 and 0.33.0, three runs;
-# the quietest runs are up to 2x faster). Not in it: a GPU's C++ tensor trade per quantized weight (~1.7 us each).
+# bench/results/host_time.csv (how it was measured, and what it leaves out: docs/internals.md).
 HOST_S_PER_STREAMED_BLOCK = 0.116e-3  # plain bf16 / fp16 weights
 HOST_S_PER_STREAMED_BLOCK_FP8 = 0.082e-3  # plain fp8 weights (e4m3fn, unscaled)
 HOST_S_PER_STREAMED_BLOCK_QUANTIZED = 0.217e-3  # ComfyUI's QuantizedTensor weights (fp8 scaled)
@@ -66,14 +66,13 @@ GPUS: Dict[str, GpuSpec] = {g.name: g for g in (
             "pinned H2D ~24 GB/s. GDDR6 192-bit 360 GB/s."),
     GpuSpec("RTX 4090 24GB", 24 * GiB, 25e9, 0.9 * 165.2e12, 1008e9,
             "Ada whitepaper: 165.2 TFLOP/s dense bf16/fp16 with fp32 accumulate (330.3 with fp16 accumulate; "
-            "82.6 is the non-tensor fp32 rate); x0.9 achievable. PCIe 4.0 x16 pinned H2D ~25 GB/s (DESIGN.md "
-            "section 4; 27 GB/s measured, section 6). GDDR6X 1008 GB/s."),
+            "82.6 is the non-tensor fp32 rate); x0.9 achievable. PCIe 4.0 x16 pinned H2D ~25 GB/s. GDDR6X 1008 GB/s."),
     GpuSpec("RTX 5090 32GB", 32 * GiB, 54e9, 0.9 * 209.5e12, 1792e9,
             "Blackwell GeForce: 419 TFLOP/s dense fp16 tensor (838 sparse), 209.5 with fp32 accumulate; x0.9 "
-            "achievable. PCIe 5.0 x16 pinned H2D 53-56 GB/s (DESIGN.md section 4). GDDR7 1792 GB/s."),
+            "achievable. PCIe 5.0 x16 pinned H2D 53-56 GB/s. GDDR7 1792 GB/s."),
     GpuSpec("H200 141GB", 141 * 10 ** 9, 55e9, 790e12, 4.8e12,
-            "790 TFLOP/s measured on an 8192^3 bf16 matmul (DESIGN.md section 4; datasheet 989 dense). PCIe 5.0 "
-            "x16 pinned H2D ~55 GB/s (DESIGN.md). HBM3e 4.8 TB/s."),
+            "790 TFLOP/s on an 8192^3 bf16 matmul (datasheet 989 dense). PCIe 5.0 x16 pinned H2D ~55 GB/s "
+            "(bench/results/gpu/README.md). HBM3e 4.8 TB/s."),
 )}
 
 # ----------------------------------------------------------------------------------------------- costs
@@ -117,6 +116,11 @@ class ModelCosts:
         """Per block, the bytes one streamed copy of it moves."""
         return self.tail_bytes if self.tail_bytes is not None else self.block_bytes
 
+    def streamed_bytes(self, resident: Sequence[bool]) -> int:
+        """The bytes one step copies under the plan ``resident`` (per block); the prefetch depth does not change
+        them."""
+        return footprint(self.block_bytes, resident, 1, self.tail_bytes).streamed_bytes
+
     def block_seconds(self, gpu: GpuSpec) -> List[float]:
         cast = self.cast_bytes or (0,) * self.num_blocks
         return [f / gpu.dit_flops_per_s + c / gpu.hbm_bytes_per_s for f, c in zip(self.block_flops, cast)]
@@ -127,8 +131,7 @@ class ModelCosts:
 
 def bound_seconds(costs: ModelCosts, gpu: GpuSpec, resident: Sequence[bool]) -> float:
     """The bound of one step: ``max(compute, streamed bytes / H2D)``."""
-    streamed = sum(b for b, keep in zip(costs.streamed_copy_bytes, resident) if not keep)
-    return max(costs.compute_seconds(gpu), streamed / gpu.h2d_bytes_per_s)
+    return max(costs.compute_seconds(gpu), costs.streamed_bytes(resident) / gpu.h2d_bytes_per_s)
 
 
 def model_costs(blocks: Sequence[nn.Module], block_bytes: Sequence[int], block_flops: Sequence[float],

@@ -158,12 +158,11 @@ def prediction(line: Timeline, costs: ModelCosts, gpu: GpuSpec, resident: Sequen
     """The last step of ``line`` (the timeline of the plan ``resident``) as a :class:`Prediction`."""
     start, end = line.step_ends[-2], line.step_ends[-1]
     step = end - start
-    streamed = [i for i, keep in enumerate(resident) if not keep]
     origin = line.block_spans[-2][-1][1]  # the forward before's last block ends
     return Prediction(
         step_s=step, bound_s=bound_seconds(costs, gpu, resident), compute_s=costs.compute_seconds(gpu),
-        copy_s=sum(costs.streamed_copy_bytes[i] for i in streamed) / gpu.h2d_bytes_per_s,
-        copy_idle_s=(step - _busy_within(line.busy.get("copy", ()), start, end)) if streamed else 0.0,
+        copy_s=costs.streamed_bytes(resident) / gpu.h2d_bytes_per_s,
+        copy_idle_s=(step - _busy_within(line.busy.get("copy", ()), start, end)) if not all(resident) else 0.0,
         compute_stall_s=step - _busy_within(line.busy.get("compute", ()), start, end),
         host_s=_busy_within(line.host_busy, start, end), copies=line.copies[-1],
         block_spans=tuple((a - origin, b - origin) for a, b in line.block_spans[-1]),

@@ -59,7 +59,7 @@ def test_comfyuis_ram_cache_sees_the_host_store():
     tiny_dits.sample(offloaded, seed=3)
     store = controller_of(offloaded).manager.store.nbytes()
     assert offloaded.get_ram_usage() >= store > offloaded.model_size() - controller_of(offloaded).non_block_bytes()
-    from layerwise_offload.offload.planner import format_bytes
+    from layerwise_offload.offload import format_bytes
     figures = controller_of(offloaded).last_report.figures()  # the stats line and the stats node
     held = controller_of(offloaded).host_ram_bytes()
     assert held >= store and f"RAM {format_bytes(held)} held" in figures

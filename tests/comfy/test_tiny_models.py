@@ -1,5 +1,5 @@
 """The tiny DiTs of devtools/tiny_dits.py are real ComfyUI models, deterministic, and have the block lists that
-DESIGN.md section 4 names. Everything else in tests/comfy builds on these guarantees."""
+docs/internals.md names ("Supported models"). Everything else in tests/comfy builds on these guarantees."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from layerwise_offload.devtools import tiny_dits
 
-# DESIGN.md section 4, "Block lists by family", written out independently of the registry under test.
-DESIGN_BLOCK_LISTS = {
+# docs/internals.md, "Supported models", written out independently of the registry under test.
+DOCUMENTED_BLOCK_LISTS = {
     "wan21": ("blocks",),
     "flux": ("double_blocks", "single_blocks"),
     "qwen_image": ("transformer_blocks",),
@@ -29,7 +29,7 @@ def _unload_after(comfy):
 
 
 def test_registry_covers_design_families():
-    assert set(FAMILIES) == set(DESIGN_BLOCK_LISTS)
+    assert set(FAMILIES) == set(DOCUMENTED_BLOCK_LISTS)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -39,7 +39,7 @@ def test_block_lists_exist(comfy, family):
     assert isinstance(patcher, comfy.model_patcher.ModelPatcher)
     assert type(patcher.model.model_config).__name__ == fam.comfy_config
     dm = patcher.get_model_object("diffusion_model")
-    assert fam.block_lists == DESIGN_BLOCK_LISTS[family]
+    assert fam.block_lists == DOCUMENTED_BLOCK_LISTS[family]
     for attr, count in zip(fam.block_lists, fam.block_counts):
         blocks = getattr(dm, attr)
         assert isinstance(blocks, torch.nn.ModuleList), attr

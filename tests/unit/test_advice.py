@@ -6,7 +6,7 @@ import re
 from torch import nn
 
 from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager, choose_resident_blocks
-from layerwise_offload.nodes.advice import RunReport, block_tiers, recommend, seconds
+from layerwise_offload.nodes.advice import RunReport, block_tiers, recommend
 
 MiB = 2**20
 
@@ -88,10 +88,6 @@ def test_prefetch_beyond_the_streamed_blocks_gets_a_word():
     ahead = report(resident_blocks=6, prefetch_size=8, slot_count=4, steps=10)
     assert "prefetch_size 8 is more than the 4 streamed blocks: at most 4 can be copied ahead" in ahead.figures()
     assert not report(prefetch_size=1).notes()
-
-
-def test_seconds_read_at_any_size():
-    assert [seconds(v) for v in (2.345, 0.1, 0.042, 0.0004)] == ["2.35 s", "0.10 s", "42 ms", "0.4 ms"]
 
 
 def test_block_map_in_call_order_with_room_for_a_disk_tier():
