@@ -134,7 +134,7 @@ def _run_the_tiny_demo_from_the_page(page, server, name: str):
     assert set(data[0]["caption"]) <= set(text.splitlines())
     assert all(line in box["text"] for line in data[0]["caption"]), (data[0]["caption"], box["text"])
     assert data[0]["vram"]["text"] in box["text"] and data[0]["ram"]["text"] in box["text"], box["text"]
-    assert "2 of 4 blocks in VRAM, 2 streamed" in box["text"] and re.search(r"copied per step in .*GB/s", text)
+    assert "2 of 4 blocks in VRAM, 2 streamed" in box["text"] and re.search(r"copied per step in .*\d [kMG]B/s", text)
     assert "CPU loopback" in text and "pin_memory" not in text  # the CPU's limits said once, no contradiction
     colours = _colour_pixels(page, box, f"{name}_stats_node")
     # Each block is at least 24 x 12 graph units: two blocks of each colour leave hundreds of pixels at any zoom
