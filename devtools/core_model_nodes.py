@@ -251,7 +251,7 @@ def planned_as_asked(patcher, plan) -> Optional[str]:
         return (f"not partly resident: {stats.bytes_copied_last_forward} of {sum(manager.block_nbytes())} bytes "
                 f"streamed, {manager.device_bytes()} held")
     if plan == TAILS and not isinstance(manager.config.streamed_tail_bytes, tuple):
-        return f"auto chose {controller.last_choice[:3]}, not streamed tails"
+        return f"auto chose {controller.planner.last_choice[:3]}, not streamed tails"
     if plan == WEIGHTS and not controller.discovered.streams_weights:
         return "not streamed by weight units"
     return None

@@ -21,8 +21,9 @@ from torch import nn
 import comfy.model_management
 import comfy.patcher_extension
 
-from ..offload import (LayerwiseOffloadManager, OffloadConfig, OffloadRequest, cuda_graph_refusal, largest_fitting,
-                       normalize_device, point_param_at, return_freed_host_memory, weight_nbytes)
+from ..offload import (LayerwiseOffloadManager, OffloadConfig, OffloadRequest, apply_layerwise_offload,
+                       cuda_graph_refusal, largest_fitting, normalize_device, point_param_at, return_freed_host_memory,
+                       weight_nbytes)
 from ..offload.request import AUTO, BLOCKS, WEIGHTS
 from .advice import recommend
 from .device_support import device_support
@@ -134,8 +135,9 @@ def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, dev
                 return 0
             return max(0, this.planned_device_bytes() - this.device_bytes()) + _LORA_SCRATCH.get(this, 0)
         loopback = normalize_device(torch.device(device)).type == "cpu"
-        manager = LayerwiseOffloadManager(discovered.blocks, device, plan, comfyui_host_environment(
-            loopback_device_bytes if loopback else None))
+        manager = apply_layerwise_offload(discovered.blocks, device, plan, hooks=False,
+                                          environment=comfyui_host_environment(
+                                              loopback_device_bytes if loopback else None))
         made.append(weakref.ref(manager))
         _MANAGERS[diffusion_model] = manager
     return manager
@@ -174,22 +176,10 @@ class OffloadController:
         self.device_lora_scratch = 0  # device bytes its math takes at most, beside the blocks (in model_size())
 
     # ----------------------------------------------------------------- plan
-    # The Stats node (stats_view.py) reads the run's plan from the controller it is handed.
+    # The Stats node (stats_view.py) reads the run's plan from the controller's planner.
     @property
     def auto(self) -> bool:
         return self.request.auto_residents
-
-    @property
-    def last_plan(self):
-        return self.planner.last_plan
-
-    @property
-    def last_choice(self):
-        return self.planner.last_choice
-
-    @property
-    def last_activations(self):
-        return self.planner.last_activations
 
     def _uncapped_plan(self) -> OffloadConfig:
         return self.run_plan or self.request.plan()

@@ -36,10 +36,11 @@ def _card_bytes(device) -> int:
 
 
 def auto_plan_line(controller) -> Optional[str]:
-    plan = getattr(controller, "last_plan", None)
+    planner = getattr(controller, "planner", None)
+    plan = getattr(planner, "last_plan", None)
     if plan is None:
         return None
-    activations = getattr(controller, "last_activations", None)
+    activations = planner.last_activations
     act = (f" (with {format_bytes(activations.nbytes)} of {activation_words(activations.source)} activations)"
            if activations is not None else "")
     free = format_bytes(plan.free_bytes)

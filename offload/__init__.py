@@ -75,12 +75,15 @@ __all__ = [
 ]
 
 
-def apply_layerwise_offload(blocks, device, root=None, environment=None, backend=None,
+def apply_layerwise_offload(blocks, device, plan=None, *, root=None, environment=None, backend=None, hooks=True,
                             **settings) -> LayerwiseOffloadManager:
-    """Offload ``blocks`` (in call order) for compute on ``device`` and install the hooks.
+    """Offload ``blocks`` (in call order) for compute on ``device`` under ``plan`` (an :class:`OffloadConfig`;
+    ``settings`` are its fields, or override them) and install the hooks (``hooks=False``: a caller that runs each
+    model call through ``manager.running()`` installs them there).
 
     Weights move into the host store at the first forward, not here, so building a pipeline never
-    holds device memory other stages need. ``settings`` are :class:`OffloadConfig` fields; ``environment`` and
-    ``backend`` as for :class:`LayerwiseOffloadManager`. Call ``detach()`` on the returned manager to undo.
+    holds device memory other stages need. ``environment`` and ``backend`` as for :class:`LayerwiseOffloadManager`.
+    Call ``detach()`` on the returned manager to undo.
     """
-    return LayerwiseOffloadManager(blocks, device, OffloadConfig(**settings), environment, backend).attach(root)
+    manager = LayerwiseOffloadManager(blocks, device, plan or OffloadConfig(), environment, backend, **settings)
+    return manager.attach(root) if hooks else manager

@@ -215,8 +215,8 @@ class BlockEngine:
         self.sync_pinning(schedule)
         memory = self.device_memory
         memory.inference = self.inference_tensors
-        self._splits = self.geometry.splits(schedule, self.config)
-        heads = [(i, split) for i, split in enumerate(self._splits) if split > 0]
+        self.splits = self.geometry.splits(schedule, self.config)
+        heads = [(i, split) for i, split in enumerate(self.splits) if split > 0]
         new_heads = [i for i, _ in heads if i not in memory.heads]
         try:
             allocated = memory.hold([(i, sizes[i]) for i in schedule.resident_blocks], plan.slot_count,
@@ -230,7 +230,7 @@ class BlockEngine:
             if not self.states.materialized[index]:
                 self._materialize(index, after=allocated)
         for index in new_heads:
-            self.mover.copy_head(index, self._splits[index], allocated)
+            self.mover.copy_head(index, self.splits[index], allocated)
         self.note_peaks()
 
     # ----------------------------------------------------------------- moves
@@ -239,7 +239,7 @@ class BlockEngine:
         host = self.host
         ahead = (self.calls.lookahead(index, self.config.prefetch_size + host.ring_size, self.schedule)
                  if host.reads_ahead(index) else ())
-        return self.mover.copy_in(index, self.schedule.resident[index], self._splits[index], ahead, protect,
+        return self.mover.copy_in(index, self.schedule.resident[index], self.splits[index], ahead, protect,
                                   may_fail, after)
 
     # ----------------------------------------------------------------- release
@@ -268,55 +268,12 @@ class BlockEngine:
             self.reset_device_state()
 
     def reset_device_state(self) -> None:
-        self._splits = [0] * self.num_blocks  # per block: where its streamed tail begins (0: streams whole)
+        self.splits = [0] * self.num_blocks  # per block: where its streamed tail begins (0: streams whole)
         self.schedule = None
         self.calls.set_plan(None)
         self.device_memory.clear()
         self.states.clear()
         self.params.clear_views()
-
-    @compiler_disable
-    def keep_what_stays(self, config: OffloadConfig) -> None:
-        """Release what the plan under ``config`` no longer holds where it is now; unarm, so that the next forward
-        arms that plan over what stayed (see ``LayerwiseOffloadManager.apply``)."""
-        memory, states = self.device_memory, self.states
-        if self.store is None or not self.holds_device_memory():
-            self.reset_device_state()
-            return
-        try:
-            schedule = Schedule.for_config(config, self.num_blocks)
-            ring = self.geometry.footprint(schedule, config)
-            keep_ring = memory.ring_is(ring.slot_count, ring.slot_size)
-            splits = self.geometry.splits(schedule, config)
-            for index in range(self.num_blocks):
-                resident = index in memory.residents
-                if resident and schedule.resident[index]:
-                    continue  # stays, copied and pointed as it is
-                split_changed = splits[index] != self._splits[index]
-                if index in memory.heads and split_changed:  # its head is freed (another split, or now resident)
-                    self.backend.wait_host(states.head_pending.pop(index, None))
-                    if states.materialized[index]:
-                        self.backend.wait_host(states.take_pending(index))
-                        self.mover.release(index)
-                    memory.drop_head(index)
-                    self.params.drop_views(index)
-                if resident or (states.materialized[index] and (schedule.resident[index] or not keep_ring
-                                                                or split_changed)):
-                    # Its memory is freed or changes hands: a copy into it nobody waited for must be done first.
-                    self.backend.wait_host(states.take_pending(index))
-                    self.mover.release(index)
-                    if resident:
-                        memory.drop_resident(index)
-                        self.params.drop_device_views(index)
-            if not keep_ring:
-                memory.drop_ring()
-                self.params.drop_device_views()
-            self.schedule = None
-            self.calls.set_plan(None)
-        except BaseException:
-            self.release_all()
-            raise
-
 
     def point_unpointed(self, at_host: bool) -> None:
         """The strict loopback (offload/strict.py): every block not pointed at its device copy to placeholders for a

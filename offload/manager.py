@@ -20,6 +20,7 @@ from .device.copier import BlockTransform
 from .engine import BlockEngine
 from .host.environment import HostEnvironment
 from .host.packing import HostStore
+from .replan import keep_what_stays
 from .schedule import Schedule
 from .stats import OffloadStats, host_figures
 from .strict import strict_loopback
@@ -155,7 +156,7 @@ class LayerwiseOffloadManager:
         changed = {f.name for f in dataclasses.fields(config)
                    if getattr(config, f.name) != getattr(engine.config, f.name)}
         if changed <= self.RESIDENCY_SETTINGS and not engine.calls.in_forward:
-            engine.keep_what_stays(config)
+            keep_what_stays(engine, config)
         else:
             engine.release_all()
         engine.config = config

@@ -34,13 +34,13 @@ def weights_replan(monkeypatch):
         controller = offloaded.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
         manager = controller.manager
         assert torch.equal(sample(offloaded), want)
-        first = controller.last_plan
+        first = controller.planner.last_plan
         assert first.resident_count == manager.num_blocks and first.streamed_bytes == 0
         mm.unload_all_models()
         assert manager.device_bytes() == 0
         free[0] = first.reserve_bytes + first.activation_bytes + int(0.6 * sum(manager.block_nbytes()))
         assert torch.equal(sample(offloaded), want)
-        plan = controller.last_plan
+        plan = controller.planner.last_plan
         assert plan.fits and 0 < plan.streamed_bytes == manager.stats().bytes_copied_last_forward
         return controller, plan
     return replan

@@ -61,7 +61,7 @@ def test_auto_keeps_as_many_blocks_as_the_faked_free_memory_allows(monkeypatch):
     fake_free_memory(monkeypatch, free)
     assert torch.equal(tiny_dits.sample(model, seed=3), want)
     assert manager.schedule.resident_blocks == (0,)
-    assert controller_of(model).last_plan == expected
+    assert controller_of(model).planner.last_plan == expected
 
     # More free memory at the next prompt: the plan grows, output unchanged.
     fake_free_memory(monkeypatch, free + 10 * sum(sizes))
@@ -106,7 +106,7 @@ def test_auto_is_the_default_and_the_stats_node_shows_its_plan():
     tiny_dits.sample(model, seed=3)
     text = offload_stats_text(model)
     [plan_line] = [line for line in text.splitlines() if line.startswith("auto: ")]
-    assert controller.last_plan.resident_count == 4  # a roomy machine keeps the 4 tiny blocks
+    assert controller.planner.last_plan.resident_count == 4  # a roomy machine keeps the 4 tiny blocks
     assert plan_line.startswith("auto: every block fits in the ") and "of estimated activations" in plan_line
     assert "wan_1_3b" not in text and "scaled to width" not in text  # the table's row names are not words
     # A user's number wins over auto: no plan line, the count asked for.
@@ -241,7 +241,7 @@ def test_residency_policy_auto_runs_the_setting_the_timing_model_chooses_bitwise
         model = offload_model(tiny_dits.build_tiny("flux"), resident, 2)
         assert torch.equal(tiny_dits.sample(model, seed=5), want)
         controller = controller_of(model)
-        policy, prefetch, count, *tails = controller.last_choice
+        policy, prefetch, count, *tails = controller.planner.last_choice
         assert (policy, prefetch) in SETTINGS and prefetch >= 2
         config = controller.manager.config
         assert (config.policy, config.prefetch_size) == (policy, prefetch)

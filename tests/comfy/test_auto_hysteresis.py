@@ -54,7 +54,7 @@ def test_auto_keeps_its_count_for_one_block_more_and_moves_for_two_or_to_fit(mon
         grown_by_one = run(1)
     if held:  # ComfyUI kept the model loaded between the runs: one block more is not worth a replan
         assert grown_by_one == (0, 0)
-        assert controller.last_plan.resident_count == 0
+        assert controller.planner.last_plan.resident_count == 0
         assert any("keeping 0 resident blocks (1 would fit" in r.getMessage() for r in caplog.records)
     else:
         assert grown_by_one == (1, 1)

@@ -187,4 +187,4 @@ def test_auto_mode_asks_the_patcher_for_free_memory(monkeypatch):
     model.get_free_memory = get_free_memory
     tiny_dits.sample(model, seed=3)
     assert asked
-    assert controller_of(model).last_plan.resident_count == 4
+    assert controller_of(model).planner.last_plan.resident_count == 4

@@ -70,8 +70,8 @@ def test_auto_streams_tails_bitwise_and_fewer_bytes_than_whole_blocks(budget, lo
     budget[0] = overhead() + int(0.8 * sum(sizes))
     assert torch.equal(tiny_dits.sample(model, seed=3), want)
     config = manager.config
-    assert isinstance(config.streamed_tail_bytes, tuple), f"auto chose {controller.last_choice[:3]}, not tails"
-    assert controller.last_plan.tails == config.streamed_tail_bytes
+    assert isinstance(config.streamed_tail_bytes, tuple), f"auto chose {controller.planner.last_choice[:3]}, not tails"
+    assert controller.planner.last_plan.tails == config.streamed_tail_bytes
     tails = manager.block_tails()
     stats = manager.stats()
     assert stats.head_bytes == sum(sizes) - sum(tails) > 0

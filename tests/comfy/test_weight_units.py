@@ -134,7 +134,7 @@ def test_the_node_streams_weight_units_bitwise_within_the_free_vram(free_memory,
     sizes = manager.block_nbytes()
     free_memory[0] = overhead(family) + int(0.6 * sum(sizes))
     assert torch.equal(tiny_dits.sample(model, seed=3), want)
-    plan = controller.last_plan
+    plan = controller.planner.last_plan
     assert plan.fits and manager.config.streamed_tail_bytes == plan.tails
     assert manager.stats().bytes_copied_last_forward == plan.streamed_bytes
     # the room is what ComfyUI says is free, less its reserve and this latent's activations (the CPU loopback's
