@@ -220,7 +220,7 @@ class Trace:
 
 class _Session:
     """One stand-in model and its manager, replanned for each schedule recorded (packing the host store once per
-    block count). ``replan`` and ``set_after_copy`` are the manager's own ways to change a plan; the forwards that
+    block count). ``replan`` and ``after_copy`` are the manager's own ways to change a plan; the forwards that
     follow arm it afresh, as after any replan."""
 
     def __init__(self, num_blocks: int):
@@ -241,7 +241,7 @@ class _Session:
 
     def record(self, resident_count: int, policy: str, prefetch: int, transform: bool, forwards: int):
         device, manager = self.device, self.manager
-        manager.set_after_copy(self.lora if transform else None)
+        manager.after_copy = self.lora if transform else None
         manager.replan(resident_layers=resident_count, prefetch_size=prefetch, policy=policy)
         device.log.clear()
         x = torch.zeros(1)

@@ -181,12 +181,16 @@ class OffloadController:
     def auto(self) -> bool:
         return self.request.auto_residents
 
+    @property
+    def num_blocks(self) -> int:
+        return len(self.discovered.blocks)
+
     def _uncapped_plan(self) -> OffloadConfig:
         return self.run_plan or self.request.plan()
 
     def plan(self) -> OffloadConfig:
         """This output's plan now: this run's (the request's before the first step), within ComfyUI's budget."""
-        return self._uncapped_plan().capped(self.resident_cap, self.manager.num_blocks)
+        return self._uncapped_plan().capped(self.resident_cap, self.num_blocks)
 
     def non_block_bytes(self) -> int:
         return sum(weight_nbytes(t) for t in self._non_block_tensors())
@@ -258,11 +262,11 @@ class OffloadController:
         keys = tuple((index, tuple(key for _, key, _ in patches)) for index, patches in plan.items())
         signature = (patcher.patches_uuid, str(device_to), keys)
         if plan and getattr(self.manager.after_copy, "signature", None) != signature:
-            self.manager.set_after_copy(DeviceLora(plan, device_to, signature))
+            self.manager.after_copy = DeviceLora(plan, device_to, signature)
             log.info("[layerwise-offload] LoRA over %d block weights applied on the device as blocks are copied in",
                      sum(len(p) for p in plan.values()))
         elif not plan:
-            self.manager.set_after_copy(None)
+            self.manager.after_copy = None
         self._device_plan = plan
         point_backups_at_store(patcher, plan, self.manager)
 
@@ -307,7 +311,7 @@ class OffloadController:
             for key in pending[index]:
                 patcher.patch_weight_to_device(key, device_to)
             compact_backups(patcher, pending[index], self.manager.host_buffers())
-            self.manager.repack_block(index)
+            self.manager.prepare(repack=[index])
         if pending:
             log.info("[layerwise-offload] baked LoRA patches into %d blocks", len(pending))
 
@@ -318,9 +322,9 @@ class OffloadController:
         # ComfyUI allows this model what it had loaded plus extra_memory; the non-block weights just
         # placed take their share first.
         budget = int(loaded_before) + int(extra_memory) - self.non_block_bytes() - self.device_lora_scratch
-        wanted = self.manager.num_blocks  # auto plans at the first forward; the budget still caps it
+        wanted = self.num_blocks  # auto plans at the first forward; the budget still caps it
         if not self.auto:
-            wanted = self.request.plan().resident_count(self.manager.num_blocks)
+            wanted = self.request.plan().resident_count(self.num_blocks)
         count = largest_fitting(lambda c: self._planned_block_bytes(c) <= budget, wanted)
         if count < wanted and not self.auto:
             log.info("[layerwise-offload] ComfyUI's VRAM budget (%s) fits %d of the %d resident blocks asked for",
@@ -335,7 +339,8 @@ class OffloadController:
         memory now. The residents that stay keep their buffers (the smaller plan arms over them at the next forward,
         copying nothing again); the slot ring goes only where its geometry changes (manager.apply)."""
         held = self.manager.device_bytes()
-        count = largest_fitting(lambda c: held - self._planned_block_bytes(c) >= nbytes, self.manager.resident_count())
+        count = largest_fitting(lambda c: held - self._planned_block_bytes(c) >= nbytes,
+                                self.manager.config.resident_count(self.num_blocks))
         self.resident_cap = count
         self.manager.apply(self.plan())
         if held - self.manager.device_bytes() < nbytes:  # the manager held another output's plan: what was asked
@@ -351,12 +356,14 @@ class OffloadController:
     def forward(self, patcher, x: Optional[torch.Tensor] = None):
         self._hold_the_parameters()
         if self.request.plans_each_run and not self._auto_planned_this_run and isinstance(x, torch.Tensor):
+            # The LoRA this output applies on the device, if the shared manager applies it now.
+            device_plan = self._device_plan if self.manager.after_copy is not None else {}
             self.run_plan = self.planner.plan_run(x, patcher, self.manager, self.resident_cap, self.device_lora_scratch,
-                                                  self._device_plan)
+                                                  device_plan)
             self._auto_planned_this_run = True
         self.manager.apply(self.plan())
         refusal = cuda_graph_refusal(patcher.model_options.get("torch_compile_kwargs") if patcher else None)
-        if refusal is not None and self.manager.resident_count() < self.manager.num_blocks:
+        if refusal is not None and self.manager.config.resident_count(self.num_blocks) < self.num_blocks:
             raise RuntimeError(refusal)
         # Allocate before ComfyUI runs the model: newer ComfyUI may record a forward's allocations (its
         # model compiler, malloc_graph), and our buffers outlive every forward.
@@ -375,7 +382,7 @@ class OffloadController:
             discovered = as_weight_units(discovered)
         controller = OffloadController(patcher.model, discovered, patcher.load_device, self.request)
         log.info("[layerwise-offload] ComfyUI cloned the offloaded model with another model object; that clone "
-                 "gets an offload of its own (%d blocks)", controller.manager.num_blocks)
+                 "gets an offload of its own (%d blocks)", controller.num_blocks)
         return controller
 
     def follow_device(self, device) -> None:

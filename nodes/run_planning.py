@@ -15,7 +15,7 @@ import comfy.model_management
 
 from ..offload import (LayerwiseOffloadManager, OffloadConfig, OffloadRequest, available_host_bytes, block_parameters,
                        block_width, describe, format_bytes, forward_activation_bytes, timing_for)
-from ..offload.planning import RunFacts, plan_run
+from ..offload.planning import RunFacts, facts_of, plan_run
 from .advice import activation_words
 from .discovery import DiscoveredBlocks
 
@@ -43,7 +43,6 @@ class RunPlanner:
         the plain CPU loopback). ``resident_cap``: what ComfyUI's budget allows (None: no limit);
         ``device_lora_scratch`` and ``device_plan``: the device LoRA's (device_lora.py)."""
         device = manager.device
-        held = manager.device_bytes()  # ours already: a new plan may reuse it
         # Newer ComfyUI asks the patcher (it adds what dynamic-VRAM models could give back).
         ask = getattr(patcher, "get_free_memory", None)
         free = int(ask(device) if callable(ask) else comfy.model_management.get_free_memory(device))
@@ -57,14 +56,12 @@ class RunPlanner:
         activations = forward_activation_bytes(
             self.model_class, self._hidden_size(), max(1, x[0, 0].numel()),
             batch=max(1, x.shape[0]), dtype_bytes=dtype_bytes, latent_channels=x.shape[1])
-        facts = RunFacts(
-            sizes=manager.block_nbytes(), tail_options=manager.tail_options(), free_bytes=free + held,
-            reserve_bytes=int(comfy.model_management.minimum_inference_memory()),
+        facts = facts_of(
+            manager, free, reserve_bytes=int(comfy.model_management.minimum_inference_memory()),
             activation_bytes=activations.nbytes + device_lora_scratch, resident_cap=resident_cap,
             timing=timing_for(device) if self.request.auto_policy else None, blocks=self.discovered.blocks,
             tokens=activations.tokens, batch=x.shape[0], dtype_bytes=dtype_bytes,
-            lora_weights=self._device_lora_weights(manager, device_plan),
-            held=manager.config if held else None, held_tails=manager.block_tails() if held else None)
+            lora_weights=self._device_lora_weights(device_plan))
         planned = plan_run(self.request, facts)
         self._log(planned, facts, activations, x.shape[0])
         self.last_choice = planned.choice
@@ -111,9 +108,9 @@ class RunPlanner:
         else:
             log.info("%s; %s", describe(plan), words)
 
-    def _device_lora_weights(self, manager: LayerwiseOffloadManager, device_plan) -> Optional[List[int]]:
+    def _device_lora_weights(self, device_plan) -> Optional[List[int]]:
         """Per block, the weights the LoRA patches on the device as each copy lands (None: no LoRA there)."""
-        if not device_plan or manager.after_copy is None:
+        if not device_plan:
             return None
         counts = []
         for index, block in enumerate(self.discovered.blocks):

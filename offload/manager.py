@@ -213,24 +213,21 @@ class LayerwiseOffloadManager:
         move_block_buffers(engine.blocks, target)
 
     # ----------------------------------------------------------------- the host copies
-    def prepare(self, progress: Optional[Callable[[int, int], None]] = None) -> List[int]:
-        """Build the host store from the blocks' current parameters, or bring it up to date.
+    def prepare(self, progress: Optional[Callable[[int, int], None]] = None, repack: Sequence[int] = ()) -> List[int]:
+        """Build the host store from the blocks' current parameters, or bring it up to date; returns the blocks
+        packed again.
 
-        The first call packs every block. Later calls repack only blocks whose parameters were
-        replaced or moved by someone else (a LoRA bake swapping Parameter objects, a whole-model
-        ``.to()``), and return their indices. ``progress(done, total)`` is called after each packed block.
+        The first call packs every block. Later calls repack only blocks whose parameters were replaced or moved by
+        someone else (a LoRA bake swapping Parameter objects, a whole-model ``.to()``), and the blocks in ``repack``
+        (new values in the same parameters). ``progress(done, total)`` is called after each packed block.
         """
-        return self.engine.prepare(progress)
-
-    def repack_block(self, index: int) -> None:
-        """Re-read one block's parameters (new objects or new values) into the host store."""
         engine = self.engine
+        if not repack or engine.store is None:
+            return engine.prepare(progress)
         if engine.holds_device_memory():
             engine.release_all()
-        if engine.store is None:
-            engine.prepare()
-        else:
-            engine.pack([index])
+        engine.pack(list(repack), progress)
+        return list(repack)
 
     def host_buffers(self) -> List[Optional[torch.Tensor]]:
         """Each block's host buffer (None before it is packed); a disk block's is its file's placeholder."""
@@ -260,15 +257,13 @@ class LayerwiseOffloadManager:
     # ----------------------------------------------------------------- transform and report
     @property
     def after_copy(self) -> Optional[BlockTransform]:
-        """The transform applied to each block copied in (:meth:`set_after_copy`), or None."""
+        """The transform applied to each block copied to the device (None: plain copies). Blocks on the device were
+        copied with the old one, so setting another releases them (residents included); the next forward copies
+        them again."""
         return self.engine.copier.transform
 
-    def set_after_copy(self, transform: Optional[BlockTransform]) -> None:
-        """Apply ``transform`` to every block copied to the device from now on (None: plain copies).
-
-        Blocks on the device were copied with the old transform, so a different one releases them
-        (residents included); the next forward copies them again.
-        """
+    @after_copy.setter
+    def after_copy(self, transform: Optional[BlockTransform]) -> None:
         engine = self.engine
         if transform is engine.copier.transform:
             return

@@ -51,6 +51,16 @@ class RunFacts:
     held_tails: Optional[Sequence[int]] = None
 
 
+def facts_of(manager, free_bytes: int, **facts) -> RunFacts:
+    """A run's facts where ``manager`` (a :class:`~.manager.LayerwiseOffloadManager`) knows them: its blocks' sizes
+    and tails, and the plan it holds device memory for, whose bytes count as free (``free_bytes``: what is free
+    beside them); ``facts``: the rest of :class:`RunFacts`."""
+    held = manager.device_bytes()
+    return RunFacts(sizes=manager.block_nbytes(), tail_options=manager.tail_options(), free_bytes=free_bytes + held,
+                    held=manager.config if held else None, held_tails=manager.block_tails() if held else None,
+                    **facts)
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """``config``: the plan to apply; ``residency``: auto's (or weights') plan of what fits, with its figures (None
@@ -157,4 +167,4 @@ def _held_tails_if_close(plan: ResidencyPlan, facts: RunFacts) -> ResidencyPlan:
     return kept
 
 
-__all__ = ["AUTO_GROW_HYSTERESIS", "RunFacts", "RunPlan", "plan_run"]
+__all__ = ["AUTO_GROW_HYSTERESIS", "RunFacts", "RunPlan", "facts_of", "plan_run"]

@@ -135,7 +135,7 @@ def run_checked(resident: int, prefetch: int, policy: str, order, pinning: str, 
     cuda.drive(manager)
     checked = Checked(manager, cuda)
     if transform:
-        manager.set_after_copy(halve_on_the_device(cuda, checked.transforms))
+        manager.after_copy = halve_on_the_device(cuda, checked.transforms)
     manager.attach(model)
     track_issuing_hook(checked)
     running = {}  # block -> (its parameters' bytes, copies queued when it started)

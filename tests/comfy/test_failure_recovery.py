@@ -106,7 +106,7 @@ def inject_during_device_lora(offloaded, source):
         def __call__(self, index, weights):
             tick()
             return transform(index, weights)
-    # Looks inside: set_after_copy would release every block (a new transform), which moves the failure elsewhere.
+    # Looks inside: setting after_copy would release every block (a new transform), which moves the failure elsewhere.
     manager.engine.copier.transform = Failing()
 
     class Undo:

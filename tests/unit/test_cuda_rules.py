@@ -69,7 +69,7 @@ def offloaded(cuda, tmp_path, model=None, units=False, transform=False, **settin
         backend=standin_backend(cuda), **settings)
     cuda.drive(manager)
     if transform:
-        manager.set_after_copy(halve_weights)
+        manager.after_copy = halve_weights
     manager.attach(model)
     return model, manager
 

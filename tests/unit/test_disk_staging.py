@@ -128,7 +128,7 @@ def test_an_after_copy_transform_sees_the_whole_block_read_in_chunks(tmp_path, m
         transformed.append(index)
         for weight in weights:
             weight.mul_(0.5)
-    manager.set_after_copy(halve)
+    manager.after_copy = halve
     manager.attach(model)
     with torch.no_grad():
         for _ in range(3):

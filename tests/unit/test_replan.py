@@ -131,7 +131,7 @@ def test_a_replan_then_a_repack_starts_from_nothing(x, want):
         model(x)
         manager.replan(resident_layers=2)
         assert manager.device_bytes() > 0 and not manager.armed
-        manager.repack_block(1)
+        manager.prepare(repack=[1])
         assert manager.device_bytes() == 0 and not manager.materialized_blocks()
         assert torch.equal(model(x), want)
     manager.detach()

@@ -85,7 +85,7 @@ def test_a_transform_patches_each_weight_once(sample_input):
     outputs = []
     for cap in (0, sorted(layouts()[0].tail_sizes)[2]):
         model, manager = offloaded(resident_layers=1, prefetch_size=1, streamed_tail_bytes=cap)
-        manager.set_after_copy(add_one)
+        manager.after_copy = add_one
         with torch.no_grad():
             outputs.append([model(sample_input) for _ in range(3)])
         manager.detach()
