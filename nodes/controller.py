@@ -1,9 +1,6 @@
-"""The node's work (:func:`offload_model`), and one offload per node output: the shared manager of a diffusion
-model, plus this output's settings.
-
-Several node outputs may offload the same loaded model (a changed input re-runs the node, two
-branches use different settings). They share one manager per diffusion model, so the host store
-is built once, and each output re-plans it to its own settings when it runs.
+"""The node's work (:func:`offload_model`), and one offload per node output (:class:`OffloadController`): its
+request, the plan resolved from it each run, applied at ComfyUI's load, unload and every forward to the diffusion
+model's manager, which every output of that model shares (shared_managers.py).
 """
 
 from __future__ import annotations
@@ -11,9 +8,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import weakref
 from contextlib import contextmanager
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -21,30 +17,25 @@ from torch import nn
 import comfy.model_management
 import comfy.patcher_extension
 
-from ..offload import (LayerwiseOffloadManager, OffloadConfig, OffloadRequest, apply_layerwise_offload,
-                       cuda_graph_refusal, largest_fitting, normalize_device, point_param_at, return_freed_host_memory,
-                       weight_nbytes)
+from ..offload import (OffloadConfig, OffloadRequest, cuda_graph_refusal, largest_fitting, normalize_device,
+                       point_param_at, return_freed_host_memory, weight_nbytes)
 from ..offload.request import AUTO, BLOCKS, WEIGHTS
 from .advice import recommend
 from .device_support import device_support
 from .discovery import DiscoveredBlocks, as_weight_units, discover_blocks, streaming_refusal
 from .dynamic_vram import non_dynamic_patcher, watch_clones
-from .host_ram import compact_backups, comfyui_host_environment, packing_progress_bar
-from .device_lora import DeviceLora, device_patch_plan, point_backups_at_store, scratch_bytes
+from .host_ram import packing_progress_bar
+from .device_lora import DeviceLora, bake_block_patches, device_patch_plan, point_backups_at_store, scratch_bytes
 from .load_decisions import apply_cast_decisions, comfyui_load_decisions
 from .offload_node import (AUTO_POLICY, AUTO_RESIDENT, DISPLAY_NAME, WEIGHTS_POLICY, host_store_problem,
                            residency_policy_problem)
 from .patcher import make_offloaded_clone
 from .run_planning import RunPlanner
 from .run_report import run_report
+from .shared_managers import _LORA_SCRATCH, _MANAGERS, shared_manager
 from .stats_view import PASSTHROUGH_ATTACHMENT
 
 log = logging.getLogger("layerwise_offload")
-
-_MANAGERS: "weakref.WeakKeyDictionary[nn.Module, LayerwiseOffloadManager]" = weakref.WeakKeyDictionary()
-# The device LoRA's scratch per manager (the latest load's): beside the blocks on the device, so on the CPU loopback
-# in host RAM too, which the host store leaves free (shared_manager).
-_LORA_SCRATCH: "weakref.WeakKeyDictionary[LayerwiseOffloadManager, int]" = weakref.WeakKeyDictionary()
 
 DIFFUSION_MODEL_PREFIX = "diffusion_model."
 
@@ -115,32 +106,6 @@ def passed_through(model, support):
     clone.add_callback_with_key(comfy.patcher_extension.CallbacksMP.ON_CLEANUP, key,
                                 lambda patcher: log.info("[layerwise-offload] run: %s", support.reason))
     return clone
-
-
-def shared_manager(diffusion_model: nn.Module, discovered: DiscoveredBlocks, device: torch.device,
-                   plan: OffloadConfig) -> LayerwiseOffloadManager:
-    manager = _MANAGERS.get(diffusion_model)
-    # Another output streams this model by blocks where this one streams weight units, or the other way round:
-    # one manager at a time holds the parameters
-    same_modules = manager is not None and len(manager.blocks) == len(discovered.blocks) and all(
-        a is b for a, b in zip(manager.blocks, discovered.blocks))
-    if manager is None or not same_modules or manager.device != normalize_device(torch.device(device)):
-        if manager is not None:
-            manager.detach()
-        made: List[weakref.ref] = []  # the probe reads the manager weakly: ComfyUI frees it by reference count
-
-        def loopback_device_bytes() -> int:
-            this = made[0]() if made else None
-            if this is None:
-                return 0
-            return max(0, this.planned_device_bytes() - this.device_bytes()) + _LORA_SCRATCH.get(this, 0)
-        loopback = normalize_device(torch.device(device)).type == "cpu"
-        manager = apply_layerwise_offload(discovered.blocks, device, plan, hooks=False,
-                                          environment=comfyui_host_environment(
-                                              loopback_device_bytes if loopback else None))
-        made.append(weakref.ref(manager))
-        _MANAGERS[diffusion_model] = manager
-    return manager
 
 
 def _gib(nbytes: int) -> str:
@@ -248,8 +213,8 @@ class OffloadController:
         self.device_lora_scratch = _LORA_SCRATCH[self.manager] = scratch_bytes(self.discovered.blocks, plan)
         self._fit_budget(extra_memory, loaded_before)
         self.manager.apply(self.plan())
-        self._bake_block_patches(patcher, device_to, decisions,
-                                 skip={key for p in plan.values() for _, key, _ in p})
+        bake_block_patches(patcher, device_to, decisions, self.block_keys, self.manager,
+                           skip={key for p in plan.values() for _, key, _ in p})
         changed = self.manager.prepare(progress=packing_progress_bar())
         if changed:
             stats = self.manager.stats(synchronize=False)
@@ -289,31 +254,6 @@ class OffloadController:
             for key, buffer in module._buffers.items():
                 if buffer is not None and buffer.device != device_to:
                     module._buffers[key] = buffer.to(device_to)
-
-    def _bake_block_patches(self, patcher, device_to, decisions, skip=frozenset()) -> None:
-        """Bake LoRA into the host store the way ComfyUI bakes a fully loaded model.
-
-        ComfyUI's own ``patch_weight_to_device`` does the math (fp32 on the device, stochastic
-        rounding back to the weight dtype) and keeps its backup of the unpatched weight. A key with
-        a backup is baked already (ComfyUI clears the backups when it restores the originals).
-        One block at a time, so the device holds at most one block's patched weights before they
-        move to the host store.
-        """
-        pending: Dict[int, List[str]] = {}
-        for key in patcher.patches:
-            if key in patcher.backup or key in skip or not decisions.patches(patcher, key):
-                continue
-            for index, prefix in enumerate(self.block_keys):
-                if key.startswith(prefix):
-                    pending.setdefault(index, []).append(key)
-                    break
-        for index in sorted(pending):
-            for key in pending[index]:
-                patcher.patch_weight_to_device(key, device_to)
-            compact_backups(patcher, pending[index], self.manager.host_buffers())
-            self.manager.prepare(repack=[index])
-        if pending:
-            log.info("[layerwise-offload] baked LoRA patches into %d blocks", len(pending))
 
     def _fit_budget(self, extra_memory, loaded_before: int = 0) -> None:
         if extra_memory is None or extra_memory >= 1e30:  # ComfyUI's "no limit" (CPU, high VRAM)

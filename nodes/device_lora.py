@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import logging
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -32,6 +33,9 @@ import comfy.model_patcher
 import comfy.utils
 
 from ..offload import block_parameters
+from .host_ram import compact_backups
+
+log = logging.getLogger("layerwise_offload")
 
 # (position of the weight in the block's layout, ComfyUI key, its patches)
 DevicePatch = Tuple[int, str, list]
@@ -149,3 +153,31 @@ def point_backups_at_store(patcher, plan: Dict[int, List[DevicePatch]], manager)
         views = manager.host_weight_views(index)
         for position, key, _ in patches:
             patcher.backup[key] = Backup(views[position], False)
+
+
+def bake_block_patches(patcher, device_to, decisions, block_keys: Sequence[str], manager,
+                       skip=frozenset()) -> None:
+    """Bake LoRA into ``manager``'s host store the way ComfyUI bakes a fully loaded model (the patches of block
+``i`` are the keys under ``block_keys[i]``).
+
+    ComfyUI's own ``patch_weight_to_device`` does the math (fp32 on the device, stochastic
+    rounding back to the weight dtype) and keeps its backup of the unpatched weight. A key with
+    a backup is baked already (ComfyUI clears the backups when it restores the originals).
+    One block at a time, so the device holds at most one block's patched weights before they
+    move to the host store.
+    """
+    pending: Dict[int, List[str]] = {}
+    for key in patcher.patches:
+        if key in patcher.backup or key in skip or not decisions.patches(patcher, key):
+            continue
+        for index, prefix in enumerate(block_keys):
+            if key.startswith(prefix):
+                pending.setdefault(index, []).append(key)
+                break
+    for index in sorted(pending):
+        for key in pending[index]:
+            patcher.patch_weight_to_device(key, device_to)
+        compact_backups(patcher, pending[index], manager.host_buffers())
+        manager.prepare(repack=[index])
+    if pending:
+        log.info("[layerwise-offload] baked LoRA patches into %d blocks", len(pending))

@@ -136,7 +136,7 @@ def pinning(args, tables) -> None:
         budgets = dict(h.budgets_for("0.6,0.3"))
         h.layerwise(-1, 1, AUTO_POLICY, "0.6", budgets["0.6"], mode="layerwise_auto")
         if h.cuda:
-            from ...nodes.controller import _MANAGERS  # looks inside: which host memory is the pack's store
+            from ...nodes.shared_managers import _MANAGERS  # looks inside: which host memory is the pack's store
             manager = _MANAGERS.get(h.diffusion_model)
             store = manager.store.buffers if manager is not None and manager.store is not None else []
             spans = [(b.data_ptr(), b.data_ptr() + b.numel()) for b in store if b is not None]

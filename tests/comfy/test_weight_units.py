@@ -183,7 +183,7 @@ def test_two_outputs_of_one_model_alternate_between_weight_units_and_blocks(free
     blocks = offload_model(base, 1, 1, "leading", True)
     sizes = units.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT].manager.block_nbytes()
     free_memory[0] = overhead("flux") + int(0.5 * sum(sizes))
-    from layerwise_offload.nodes.controller import _MANAGERS
+    from layerwise_offload.nodes.shared_managers import _MANAGERS
     dit = base.get_model_object("diffusion_model")
     for model in (units, blocks, units, blocks):
         assert torch.equal(tiny_dits.sample(model, seed=4), want)
