@@ -53,7 +53,7 @@ class BlockEngine:
         self.host = HostSide(self.blocks, device, lambda: this().config, environment)
         self.params = BlockParameters(self.blocks)
         self.geometry = BlockGeometry(self.params, self.host)
-        self.backend = backend or make_backend(device, config.measure_time)
+        self._backend = backend or make_backend(device, config.measure_time)
         self.device_memory = DeviceMemory(device, self.num_blocks)
         self.copier = BlockCopier()
         self.calls = CallTracker()
@@ -61,12 +61,12 @@ class BlockEngine:
         self.counters = Counters(self.num_blocks)
         self.states = BlockStates(self.num_blocks)
         self.mover = BlockMover(self.host, self.params, self.device_memory, self.copier, self.states, self.counters,
-                                self.backend)
+                                self._backend)
         self.schedule: Optional[Schedule] = None
         self.reset_device_state()
         self._release_after_forward = False
         self._in_strict_call = False  # the strict loopback's model call: released blocks point at placeholders
-        self.config = config
+        self.config = config  # and where the mover points released blocks
 
     @property
     def backend(self):
@@ -75,9 +75,7 @@ class BlockEngine:
 
     @backend.setter
     def backend(self, backend) -> None:
-        self._backend = backend
-        if hasattr(self, "mover"):
-            self.mover.backend = backend
+        self._backend = self.mover.backend = backend
 
     @property
     def config(self) -> OffloadConfig:
@@ -86,8 +84,7 @@ class BlockEngine:
     @config.setter
     def config(self, config: OffloadConfig) -> None:
         self._config = config
-        if hasattr(self, "mover"):
-            self.mover.release_to_host = config.released_params == "host" and not self._in_strict_call
+        self.mover.release_to_host = config.released_params == "host" and not self._in_strict_call
 
     @property
     def store(self) -> Optional[HostStore]:
