@@ -366,7 +366,7 @@ def _disk(args, device: torch.device, usual_chunk: int) -> dict:
     source_path = checkpoint.path if checkpoint is not None else cache.file.path
     plain = plain_direct_read(source_path, usual_chunk)
     tier_gbps = stats.disk_bytes_read / stats.disk_read_seconds / 1e9 if stats.disk_read_seconds else 0.0
-    slots = manager.planned_device_bytes() if device.type == "cpu" else 0  # nothing resident: only the slots
+    slots = manager.device_bytes(manager.config) if device.type == "cpu" else 0  # nothing resident: only the slots
     result = {
         "device": str(device), "blocks": args.blocks, "block_bytes": max(manager.block_nbytes()),
         "source": args.source, "disk_blocks": stats.disk_blocks, "checkpoint_blocks": stats.disk_checkpoint_blocks,

@@ -163,16 +163,16 @@ class OffloadController:
     def _planned_block_bytes(self, resident_count: int) -> int:
         """Device bytes of this output's plan with ``resident_count`` residents (the manager untouched)."""
         plan = dataclasses.replace(self._uncapped_plan(), resident_layers=resident_count)
-        return self.manager.planned_device_bytes(plan)
+        return self.manager.device_bytes(plan)
 
     def planned_footprint(self) -> int:
         """What ComfyUI is told this model needs on the device (``model_size()``)."""
-        return self.non_block_bytes() + self.manager.planned_device_bytes(self.plan()) + self.device_lora_scratch
+        return self.non_block_bytes() + self.manager.device_bytes(self.plan()) + self.device_lora_scratch
 
     def host_ram_bytes(self) -> int:
         """Host RAM the model holds: every block once (packed or not yet) and the non-block weights on the host."""
         host = sum(t.nelement() * t.element_size() for t in self._non_block_tensors() if t.device.type == "cpu")
-        return host + self.manager.host_ram_bytes()
+        return host + self.manager.stats(synchronize=False).host_ram_bytes
 
     def loaded_bytes(self) -> int:
         """What this model holds on the device: its non-block weights there, and the manager's buffers. ComfyUI is
@@ -272,7 +272,7 @@ class OffloadController:
         self.resident_cap = count if count < wanted else None
 
     def release_device_memory(self) -> None:
-        self.manager.unload()  # the hooks are installed again by the next load's first forward
+        self.manager.release_all(remove_hooks=True)  # the hooks are installed again by the next load's first forward
 
     def free_device_memory(self, nbytes: int) -> int:
         """ComfyUI asks for ``nbytes`` back: demote residents until the plan is that much smaller and free their
@@ -280,7 +280,7 @@ class OffloadController:
         copying nothing again); the slot ring goes only where its geometry changes (manager.apply)."""
         held = self.manager.device_bytes()
         count = largest_fitting(lambda c: held - self._planned_block_bytes(c) >= nbytes,
-                                self.manager.config.resident_count(self.num_blocks))
+                                self.plan().resident_count(self.num_blocks))
         self.resident_cap = count
         self.manager.apply(self.plan())
         if held - self.manager.device_bytes() < nbytes:  # the manager held another output's plan: what was asked
@@ -298,12 +298,12 @@ class OffloadController:
         if self.request.plans_each_run and not self._auto_planned_this_run and isinstance(x, torch.Tensor):
             # The LoRA this output applies on the device, if the shared manager applies it now.
             device_plan = self._device_plan if self.manager.after_copy is not None else {}
-            self.run_plan = self.planner.plan_run(x, patcher, self.manager, self.resident_cap, self.device_lora_scratch,
-                                                  device_plan)
+            self.run_plan = self.planner.plan_run(x, patcher, self.manager, self.device, self.resident_cap,
+                                                  self.device_lora_scratch, device_plan)
             self._auto_planned_this_run = True
         self.manager.apply(self.plan())
         refusal = cuda_graph_refusal(patcher.model_options.get("torch_compile_kwargs") if patcher else None)
-        if refusal is not None and self.manager.config.resident_count(self.num_blocks) < self.num_blocks:
+        if refusal is not None and self.plan().resident_count(self.num_blocks) < self.num_blocks:
             raise RuntimeError(refusal)
         # Allocate before ComfyUI runs the model: newer ComfyUI may record a forward's allocations (its
         # model compiler, malloc_graph), and our buffers outlive every forward.
@@ -344,18 +344,17 @@ class OffloadController:
     def _use_manager_on(self, device) -> None:
         """This model's manager for ``device`` (shared by every output of the model), with ComfyUI's pinning."""
         self.manager = shared_manager(self.diffusion_model, self.discovered, device, self._uncapped_plan())
-        self.device = self.manager.device  # with its index: tensors report cuda:0, never cuda
+        self.device = normalize_device(torch.device(device))  # with its index: tensors report cuda:0, never cuda
         self._non_block_device_bytes = None
 
     def begin_run(self, patcher) -> None:
         self._non_block_device_bytes = None  # once per run, whoever moved what since
-        self.manager.reset_peaks()
         if self.manager.prepare():
             log.warning("[layerwise-offload] block weights were moved outside the manager; re-packed them")
             point_backups_at_store(patcher, self._device_plan, self.manager)
         self._auto_planned_this_run = False
         self.run_steps = 0
-        self._run_start = (time.perf_counter(), self.manager.stats(synchronize=False))
+        self._run_start = (time.perf_counter(), self.manager.stats(synchronize=False, reset_peaks=True))
 
     def note_steps(self, transformer_options) -> None:
         """The run's step count for the stats' "per step", from the sigmas ComfyUI's sampler hands the model."""
@@ -377,8 +376,7 @@ class OffloadController:
             return None
         report = run_report(self, before, after, forwards, time.perf_counter() - started)
         self.last_report = report
-        sizes = self.manager.block_nbytes()
-        self.last_recommendation = recommend(report, [n for n, tier in zip(sizes, after.block_tiers)
+        self.last_recommendation = recommend(report, [n for n, tier in zip(after.block_nbytes, after.block_tiers)
                                                       if tier == "resident"])
         line = f"[layerwise-offload] run: {report.figures()}; {self.last_recommendation}"
         log.info(line)

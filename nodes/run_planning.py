@@ -35,14 +35,13 @@ class RunPlanner:
         self.last_activations = None
         self._last_declined = None  # what auto last declined to move to (logged once)
 
-    def plan_run(self, x: torch.Tensor, patcher, manager: LayerwiseOffloadManager, resident_cap: Optional[int],
-                 device_lora_scratch: int, device_plan) -> OffloadConfig:
+    def plan_run(self, x: torch.Tensor, patcher, manager: LayerwiseOffloadManager, device: torch.device,
+                 resident_cap: Optional[int], device_lora_scratch: int, device_plan) -> OffloadConfig:
         """This run's plan, at its first forward where the latent is known: what ComfyUI says is free on the device
         now (the CPU loopback's "VRAM" is RAM: also what this process may still use), ComfyUI's reserve, this
         latent's activations (offload/activation_model.py) and the card's timing model (offload/timing/; none on
         the plain CPU loopback). ``resident_cap``: what ComfyUI's budget allows (None: no limit);
         ``device_lora_scratch`` and ``device_plan``: the device LoRA's (device_lora.py)."""
-        device = manager.device
         # Newer ComfyUI asks the patcher (it adds what dynamic-VRAM models could give back).
         ask = getattr(patcher, "get_free_memory", None)
         free = int(ask(device) if callable(ask) else comfy.model_management.get_free_memory(device))

@@ -7,7 +7,6 @@ from .advice import RunReport, block_tiers
 
 def run_report(controller, before, after, forwards: int, run_seconds: float) -> RunReport:
     """``before`` / ``after``: the manager's stats at the run's start and end (``OffloadStats``)."""
-    manager = controller.manager
     return RunReport(
         forwards=forwards, resident_blocks=after.resident_blocks, num_blocks=after.num_blocks,
         resident_bytes=after.resident_bytes, bytes_per_forward=after.bytes_copied_last_forward,
@@ -17,7 +16,7 @@ def run_report(controller, before, after, forwards: int, run_seconds: float) -> 
         run_seconds=run_seconds, peak_device_bytes=after.peak_device_bytes,
         pinned_host_bytes=after.pinned_host_bytes, asynchronous=after.asynchronous,
         host_bytes=after.host_bytes, pin_requested_bytes=after.host_bytes_requested,
-        steps=getattr(controller, "run_steps", 0), prefetch_size=manager.config.prefetch_size,
+        steps=getattr(controller, "run_steps", 0), prefetch_size=controller.plan().prefetch_size,
         block_tiers=block_tiers(after), slot_count=after.slot_count,
         demand_copies=after.demand_copies - before.demand_copies, device_type=controller.device.type,
         other_device_bytes=controller.loaded_bytes() - after.device_bytes, host_ram_bytes=controller.host_ram_bytes(),

@@ -66,10 +66,11 @@ def auto_plan_line(controller) -> Optional[str]:
 def host_store_line(controller) -> Optional[str]:
     """Where the blocks' host copies went and why (the packing's plan: RAM short, the disk fast enough or too slow,
     with its read rate), where that was a choice; None where every block simply fit in RAM."""
-    plan = getattr(getattr(controller, "manager", None), "tier_plan", None)
-    if plan is None or not plan.reason:
+    manager = getattr(controller, "manager", None)
+    stats = manager.stats(synchronize=False) if manager is not None else None
+    if stats is None or not stats.host_tier_reason:
         return None
-    return f"host store: {plan.disk_blocks} of {len(plan.disk)} blocks on disk ({plan.reason})"
+    return f"host store: {stats.disk_blocks} of {stats.num_blocks} blocks on disk ({stats.host_tier_reason})"
 
 
 def _block_letters(report, controller) -> str:

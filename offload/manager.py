@@ -118,19 +118,17 @@ class LayerwiseOffloadManager:
         every streamed block streams whole."""
         return self.engine.geometry.block_tails(config or self.config)
 
-    def planned_device_bytes(self, config: Optional[OffloadConfig] = None) -> int:
-        """The device bytes a plan holds once armed (``config``, the applied one by default): resident buffers,
-        streamed blocks' heads, streaming slots."""
+    def device_bytes(self, plan: Optional[OffloadConfig] = None) -> int:
+        """The device bytes the manager holds now; given a ``plan``, those that plan holds once armed (resident
+        buffers, streamed blocks' heads, streaming slots)."""
         engine = self.engine
-        if config is None:
-            config = engine.config
-            schedule = engine.schedule or engine.make_schedule()
+        if plan is None:
+            return engine.device_memory.nbytes()
+        if plan == engine.config and engine.schedule is not None:
+            schedule = engine.schedule
         else:
-            schedule = Schedule.for_config(config, self.num_blocks)
-        return engine.geometry.footprint(schedule, config).total
-
-    def device_bytes(self) -> int:
-        return self.engine.device_memory.nbytes()
+            schedule = Schedule.for_config(plan, self.num_blocks)
+        return engine.geometry.footprint(schedule, plan).total
 
     # ----------------------------------------------------------------- apply, run, release
     def attach(self, root: Optional[nn.Module] = None) -> "LayerwiseOffloadManager":
@@ -187,15 +185,12 @@ class LayerwiseOffloadManager:
             if strict:
                 engine.point_unpointed(at_host=True)
 
-    def release_all(self) -> None:
+    def release_all(self, remove_hooks: bool = False) -> None:
         """Release every block, residents included, and free every device byte the manager holds (inside a
-        forward: at its end)."""
+        forward: at its end); ``remove_hooks`` also takes the hooks off (the next :meth:`running` installs them)."""
         self.engine.release_all()
-
-    def unload(self) -> None:
-        """Release every device byte and remove the hooks (the next :meth:`running` installs them again)."""
-        self.engine.release_all()
-        self.engine.hooks.remove()
+        if remove_hooks:
+            self.engine.hooks.remove()
 
     def detach(self, device=None) -> None:
         """Give the blocks back as ordinary parameters on ``device`` (the host by default).
@@ -237,17 +232,6 @@ class LayerwiseOffloadManager:
         """Block ``index``'s weights as views of its host copy, in the order of its parameters."""
         return self.store.weight_views(index)
 
-    @property
-    def tier_plan(self):
-        """Which blocks' host copies went to disk, and why (``host.tier_planning.TierPlan``; None before packing)."""
-        return getattr(self.engine.host, "tier_plan", None)
-
-    def host_ram_bytes(self) -> int:
-        """Host RAM the blocks hold: each block in the RAM tier (packed, or not yet), and the disk tier's
-        staging ring (a block in the disk tier holds nothing else)."""
-        disk = self.engine.host.disk
-        return self.engine.geometry.host_ram_bytes(disk.ring_bytes if disk is not None else 0)
-
     def shortfall(self, config: Optional[OffloadConfig] = None, settings: Optional[str] = None) -> Optional[str]:
         """Why packing the blocks not in the host store yet would fail for want of host memory, or None (see
         :meth:`HostSide.shortfall`). ``config``: plan under that caller's settings instead of the manager's (a
@@ -271,18 +255,18 @@ class LayerwiseOffloadManager:
             engine.release_all()
         engine.copier.transform = transform
 
-    def reset_peaks(self) -> None:
-        """Start the peak counters (materialized blocks, device bytes) again from what is held now."""
-        self.engine.note_peaks(reset=True)
-
-    def stats(self, synchronize: bool = True) -> OffloadStats:
+    def stats(self, synchronize: bool = True, reset_peaks: bool = False) -> OffloadStats:
         """A snapshot of the counters and the plan (the armed one, else the one the next forward arms);
-        ``synchronize`` waits for pending copy timings first."""
+        ``synchronize`` waits for pending copy timings first; ``reset_peaks`` starts the peak counters again from
+        what is held now, before the snapshot (a run's start)."""
         engine = self.engine
+        if reset_peaks:
+            engine.note_peaks(reset=True)
         engine.backend.settle(block=synchronize)
         schedule = engine.schedule or engine.make_schedule()
         plan = engine.geometry.footprint(schedule, self.config)
         host_tiers = engine.host.tiers()
+        disk, tier_plan = engine.host.disk, getattr(engine.host, "tier_plan", None)
         return OffloadStats(
             num_blocks=self.num_blocks,
             resident_blocks=len(schedule.resident_blocks),
@@ -291,6 +275,9 @@ class LayerwiseOffloadManager:
             resident_bytes=engine.device_memory.resident_bytes(),
             device_bytes=self.device_bytes(),
             planned_device_bytes=plan.total,
+            block_nbytes=tuple(self.block_nbytes()),
+            host_ram_bytes=engine.geometry.host_ram_bytes(disk.ring_bytes if disk is not None else 0),
+            host_tier_reason=tier_plan.reason if tier_plan is not None else "",
             copy_seconds=engine.backend.copy_seconds,
             stall_seconds=engine.backend.stall_seconds,
             block_tiers=tuple("resident" if schedule.resident[i] else host_tiers[i] for i in range(self.num_blocks)),

@@ -45,6 +45,9 @@ class OffloadStats:
     asynchronous: bool = False  # copies overlap compute (a side stream), not the CPU loopback's synchronous copies
     head_bytes: int = 0  # device bytes of the streamed blocks' resident heads (streamed_tail_bytes)
     streamed_tail_bytes: int = 0  # the plan's tail cap (0: streamed blocks stream whole)
+    block_nbytes: Tuple[int, ...] = ()  # per block: the bytes it occupies on the device once materialized
+    host_ram_bytes: int = 0  # RAM the blocks hold: each block in the RAM tier (packed or not yet), the staging ring
+    host_tier_reason: str = ""  # why blocks' host copies went to disk (empty where every block fit in RAM)
 
     @property
     def achieved_gbps(self) -> float:

@@ -162,7 +162,7 @@ def test_on_the_cpu_loopback_the_host_store_leaves_the_devices_ram(monkeypatch, 
     assert torch.equal(tiny_dits.sample(offloaded, seed=3), want)
     manager = controller_of(offloaded).manager
     sizes = manager.block_nbytes()
-    device = manager.planned_device_bytes()
+    device = manager.device_bytes(manager.config)
     assert device == sizes[0] + 2 * max(sizes[1:])  # one resident, two slots of prefetch 1
     plan = manager.engine.host.tier_plan
     # weighed after packing, beside what packing leaves: packing's own peak is gone when the slots are taken
@@ -179,7 +179,7 @@ def test_on_the_cpu_loopback_the_host_store_leaves_the_devices_ram(monkeypatch, 
     controller = controller_of(offloaded)
     assert controller.device_lora_scratch > 0
     assert controller.manager.engine.host.tier_plan.device_share_bytes == (
-        controller.manager.planned_device_bytes() + controller.device_lora_scratch)
+        controller.manager.device_bytes(controller.manager.config) + controller.device_lora_scratch)
     mm.unload_all_models()
 
 

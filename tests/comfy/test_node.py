@@ -108,7 +108,7 @@ def test_comfyui_sees_true_sizes():
     loaded = [m for m in mm.current_loaded_models if m.model is model]
     assert loaded, "ComfyUI keeps the offloaded model listed as loaded"
     assert model.loaded_size() == controller.non_block_bytes() + manager.device_bytes()
-    assert manager.device_bytes() == manager.planned_device_bytes()
+    assert manager.device_bytes() == manager.device_bytes(manager.config)
     assert model.model.model_lowvram
 
 
@@ -158,7 +158,7 @@ def test_two_offloaded_models_alternate_like_wan22():
         assert torch.equal(tiny_dits.sample(low, seed=3), want_low)
         held.append(manager_of(high).device_bytes() + manager_of(low).device_bytes())
     assert held[0] == held[1] == held[2]
-    assert held[0] == manager_of(high).planned_device_bytes() + manager_of(low).planned_device_bytes()
+    assert held[0] == manager_of(high).device_bytes(manager_of(high).config) + manager_of(low).device_bytes(manager_of(low).config)
 
 
 def random_lora(patcher, seed, rank=2, include_non_block=True):

@@ -76,7 +76,7 @@ def test_auto_streams_tails_bitwise_and_fewer_bytes_than_whole_blocks(budget, lo
     stats = manager.stats()
     assert stats.head_bytes == sum(sizes) - sum(tails) > 0
     assert stats.bytes_copied_last_forward == sum(tails)  # the step moves the tails, nothing else
-    assert manager.device_bytes() == manager.planned_device_bytes() <= budget[0] - overhead()
+    assert manager.device_bytes() == manager.device_bytes(manager.config) <= budget[0] - overhead()
     assert controller.planned_footprint() == controller.non_block_bytes() + manager.device_bytes() + \
         controller.device_lora_scratch  # what ComfyUI is told
     room = budget[0] - overhead() - controller.device_lora_scratch

@@ -53,7 +53,7 @@ def test_weight_units_sample_bitwise_and_move_fewer_bytes_than_whole_tails(famil
         stats = manager.stats()
         streamed = [tail for tail, keep in zip(manager.block_tails(), plan.resident) if not keep]
         assert stats.bytes_copied_last_forward == plan.streamed_bytes == sum(streamed)
-        assert manager.device_bytes() == manager.planned_device_bytes() <= room
+        assert manager.device_bytes() == manager.device_bytes(manager.config) <= room
     finally:
         manager.detach()
 
@@ -141,7 +141,7 @@ def test_the_node_streams_weight_units_bitwise_within_the_free_vram(free_memory,
     # free figure does not drop as the non-block weights load: they are in it)
     room = plan.free_bytes - plan.reserve_bytes - plan.activation_bytes
     assert free_memory[0] - room - controller.device_lora_scratch <= overhead(family) * 2
-    assert manager.device_bytes() == manager.planned_device_bytes() == plan.required_bytes - plan.activation_bytes \
+    assert manager.device_bytes() == manager.device_bytes(manager.config) == plan.required_bytes - plan.activation_bytes \
         - plan.reserve_bytes <= room
     blocks = controller.discovered.whole_blocks
     block_sizes, block_options = geometry(blocks)

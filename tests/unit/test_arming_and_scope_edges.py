@@ -45,7 +45,7 @@ def test_out_of_memory_while_arming_leaves_a_usable_manager(x, failing_allocatio
     with torch.no_grad():
         for _ in range(2):
             assert torch.equal(model(x), want)
-    assert manager.device_bytes() == manager.planned_device_bytes()
+    assert manager.device_bytes() == manager.device_bytes(manager.config)
     manager.detach()
 
 

@@ -77,7 +77,7 @@ def run_from_disk(tmp_path, monkeypatch, dim: int, source: str, prefetch: int = 
             assert torch.equal(model(x), want)
     stats = manager.stats()
     assert stats.disk_blocks == BLOCKS and stats.disk_checkpoint_blocks == (BLOCKS if source == "checkpoint" else 0)
-    figures = (stats.staging_bytes, manager.host_ram_bytes(), max(allocated), max(manager.block_nbytes()))
+    figures = (stats.staging_bytes, stats.host_ram_bytes, max(allocated), max(manager.block_nbytes()))
     manager.detach()
     return figures
 

@@ -70,7 +70,7 @@ def test_output_is_bitwise_identical(sample_input, resident, prefetch, policy):
     bound = resident + prefetch + 1
     assert max(materialized_counts) <= bound
     assert manager.stats().peak_materialized_blocks <= bound
-    assert manager.device_bytes() == manager.planned_device_bytes()
+    assert manager.device_bytes() == manager.device_bytes(manager.config)
 
 
 @pytest.mark.parametrize("policy", ["leading", "strided"])
@@ -200,7 +200,7 @@ def test_replan_changes_the_plan_without_leaking(sample_input):
                 assert manager.device_bytes() == 0
             assert torch.equal(model(sample_input), want)
             assert len(manager.schedule.resident_blocks) == resident
-            assert manager.device_bytes() == manager.planned_device_bytes()
+            assert manager.device_bytes() == manager.device_bytes(manager.config)
 
 
 def test_an_error_inside_a_block_releases_it(sample_input):
@@ -287,7 +287,7 @@ def test_nothing_is_touched_before_the_first_forward():
     manager = apply_layerwise_offload(model.blocks_in_call_order(), "cpu", resident_layers=2)
     assert manager.store is None and manager.device_bytes() == 0
     assert [p.data_ptr() for p in model.parameters()] == pointers
-    assert manager.planned_device_bytes() > 0
+    assert manager.device_bytes(manager.config) > 0
 
 
 @pytest.mark.parametrize("resident", [0, 3])

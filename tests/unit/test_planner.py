@@ -195,9 +195,9 @@ def test_agrees_with_the_manager_footprint():
             plan = plan_residency(sizes, free, prefetch_size=prefetch, policy=policy)
             manager = LayerwiseOffloadManager(blocks, "cpu", resident_layers=plan.resident_count,
                                               prefetch_size=prefetch, policy=policy)
-            assert manager.planned_device_bytes() == plan.device_bytes
+            assert manager.device_bytes(manager.config) == plan.device_bytes
             if plan.fits:
-                assert manager.planned_device_bytes() <= free
+                assert manager.device_bytes(manager.config) <= free
 
 
 @pytest.mark.parametrize("bad", [

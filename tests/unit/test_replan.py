@@ -62,7 +62,7 @@ def test_a_replan_by_one_copies_only_the_blocks_that_join(x, want, policy, prefe
             assert set(manager.engine.device_memory.residents) == new == set(manager.schedule.resident_blocks)
             now = resident_pointers(model, manager)
             assert all(now[i] == where for i, where in kept.items())  # same buffer, same views
-            assert manager.device_bytes() == manager.planned_device_bytes()
+            assert manager.device_bytes() == manager.device_bytes(manager.config)
     if policy == "leading":  # one block's worth: r -> r+1 copies exactly one, r -> r-1 none
         assert len(residents(start + 1, policy) - residents(start, policy)) <= 1
     manager.detach()
@@ -106,7 +106,7 @@ def test_the_slot_ring_is_kept_unless_its_geometry_changes(x, want):
         manager.replan(resident_layers=5)  # a ring again, the five residents untouched
         assert set(manager.engine.device_memory.residents) == set(range(5))
         assert torch.equal(model(x), want)
-        assert manager.device_bytes() == manager.planned_device_bytes()
+        assert manager.device_bytes() == manager.device_bytes(manager.config)
     manager.detach()
 
 

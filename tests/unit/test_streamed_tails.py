@@ -63,7 +63,7 @@ def test_output_is_bitwise_identical_and_only_tails_move(sample_input, resident,
     sizes, tails = manager.block_nbytes(), manager.block_tails()
     schedule = manager.schedule
     plan = footprint(sizes, schedule.resident, prefetch, tails)
-    assert manager.device_bytes() == manager.planned_device_bytes() == plan.total
+    assert manager.device_bytes() == manager.device_bytes(manager.config) == plan.total
     stats = manager.stats()
     assert stats.head_bytes == plan.head_bytes == sum(sizes[i] - tails[i] for i in schedule.streamed_blocks) > 0
     streamed_copies = 1 if NUM_BLOCKS - resident > prefetch else 0
@@ -116,11 +116,11 @@ def test_a_residency_change_moves_only_the_blocks_it_changes(sample_input):
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
         assert torch.equal(model(sample_input), want)
-    assert manager.device_bytes() == manager.planned_device_bytes()
+    assert manager.device_bytes() == manager.device_bytes(manager.config)
     manager.replan(streamed_tail_bytes=0)  # whole blocks again: no head left
     with torch.no_grad():
         assert torch.equal(model(sample_input), want)
-    assert not manager.engine.device_memory.heads and manager.device_bytes() == manager.planned_device_bytes()
+    assert not manager.engine.device_memory.heads and manager.device_bytes() == manager.device_bytes(manager.config)
 
 
 def test_planner_streams_fewer_bytes_than_whole_blocks_in_the_same_budget():
