@@ -102,9 +102,6 @@ class LayerwiseOffloadManager:
     def materialized_blocks(self) -> List[int]:
         return self.engine.states.materialized_blocks()
 
-    def resident_count(self) -> int:
-        return self.config.resident_count(self.num_blocks)
-
     def block_nbytes(self) -> List[int]:
         """Bytes each block occupies on the device once materialized."""
         return self.engine.geometry.block_nbytes()

@@ -112,7 +112,7 @@ def test_auto_is_the_default_and_the_stats_node_shows_its_plan():
     # A user's number wins over auto: no plan line, the count asked for.
     fixed = offload_model(tiny_dits.build_tiny("wan21"), 2)
     tiny_dits.sample(fixed, seed=3)
-    assert not controller_of(fixed).auto and controller_of(fixed).manager.resident_count() == 2
+    assert not controller_of(fixed).auto and controller_of(fixed).plan().resident_count(controller_of(fixed).num_blocks) == 2
     assert "auto:" not in offload_stats_text(fixed)
 
 

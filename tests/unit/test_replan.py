@@ -51,7 +51,7 @@ def test_a_replan_by_one_copies_only_the_blocks_that_join(x, want, policy, prefe
         for count in (start + 1, start, start - 1, start + 1):  # up by one, back, below, up by two
             if not 0 <= count <= NUM_BLOCKS:
                 continue
-            old, new = residents(manager.resident_count(), policy), residents(count, policy)
+            old, new = residents(manager.config.resident_count(manager.num_blocks), policy), residents(count, policy)
             kept = {i: where for i, where in resident_pointers(model, manager).items() if i in new}
             copies = manager.stats().resident_copies
             manager.replan(resident_layers=count)
