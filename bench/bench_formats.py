@@ -26,7 +26,6 @@ from ..devtools import peers
 from ..devtools.quantized_models import save_fp8_mixed, save_gguf
 from ..offload import choose_resident_blocks, footprint, format_bytes, weight_nbytes
 
-FORMATS = ("bf16", "fp8_mixed", "gguf_q4_0")  # the default comparison
 ALL_FORMATS = ("bf16", "fp8_mixed", "gguf_f16", "gguf_q8_0", "gguf_q5_0", "gguf_q4_0")
 GGML_BYTES_PER_32 = {"F16": 64, "Q8_0": 34, "Q5_0": 22, "Q4_0": 18}
 FORMAT_COLUMNS = [

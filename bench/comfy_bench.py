@@ -39,7 +39,6 @@ if __name__ == "__main__":  # run by path: the pack registered as `layerwise_off
     runpy.run_path(str(Path(__file__).resolve().parents[1] / "devtools" / "comfy_env.py"))["enter_pack"](globals())
 
 from .harness import COLUMNS, DTYPES, SUMMARY_COLUMNS, BenchConfig, BenchResult, Harness  # noqa: E402
-from .measure import CPU_LOOPBACK_ENV  # noqa: E402,F401  (the tests read it from here)
 from .measure import cpu_loopback, largest_fitting_resident, streamed_bytes, write_csv  # noqa: E402
 from ..offload import format_bytes, format_rate  # noqa: E402
 

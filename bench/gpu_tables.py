@@ -1,6 +1,7 @@
 """What the GPU run writes and what it measures with: its CSV tables (one row on disk the moment it is measured), the
 step-time bound, the VRAM ballast that makes runs physically equal in free memory, the device-level peak poller, and
-the state one step hands the next. Used by ``bench/gpu_steps.py``; nothing here imports ComfyUI.
+the state one step hands the next. Used by ``bench/gpu_steps.py`` and its ``gpu_harness.py`` and
+``gpu_dynamic.py``; nothing here imports ComfyUI.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The side-by-side harness the ComfyUI benchmarks share (comfy_bench.py, its ``--formats`` mode in bench_formats.py,
-and gpu_steps.py's GPU harness, a subclass): one preset's model inside the real ComfyUI, and the modes run on it
+and gpu_harness.py's GPU harness, a subclass): one preset's model inside the real ComfyUI, and the modes run on it
 (``full``, ``comfy_lowvram``, ``layerwise``, ``layerwise_auto``; comfy_bench.py's docstring says what each measures),
 with its config, its rows and their columns."""
 

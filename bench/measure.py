@@ -135,6 +135,17 @@ def comfy_weight_budget(patcher, budget: int):
         mm.LoadedModel.model_load = original
 
 
+def cast_bytes(s, input=None, device=None) -> int:
+    """The bytes one classic ``cast_bias_weight(s, input, dtype, device)`` call moves: the weight and bias of a
+    module left lowvram (``prev_comfy_cast_weights``) or whose weight is not on the target device; else 0."""
+    target = device if device is not None else (input.device if input is not None else None)
+    weight = getattr(s, "weight", None)
+    if hasattr(s, "prev_comfy_cast_weights") or (
+            weight is not None and target is not None and weight.device != torch.device(target)):
+        return tensor_nbytes(weight) + tensor_nbytes(getattr(s, "bias", None))
+    return 0
+
+
 class CastCounter:
     """Counts the bytes ComfyUI casts per forward for lowvram modules (``comfy.ops.cast_bias_weight``): those
     ``ModelPatcher.load`` gave ``prev_comfy_cast_weights``, or whose weight is not on the input's device. Every
@@ -150,11 +161,7 @@ class CastCounter:
         original = comfy.ops.cast_bias_weight
 
         def counting(s, input=None, dtype=None, device=None, *args, **kwargs):
-            target = device if device is not None else (input.device if input is not None else None)
-            weight = getattr(s, "weight", None)
-            if hasattr(s, "prev_comfy_cast_weights") or (
-                    weight is not None and target is not None and weight.device != torch.device(target)):
-                self.bytes += tensor_nbytes(weight) + tensor_nbytes(getattr(s, "bias", None))
+            self.bytes += cast_bytes(s, input, device)
             return original(s, input, dtype, device, *args, **kwargs)
 
         comfy.ops.cast_bias_weight = counting

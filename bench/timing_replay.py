@@ -212,11 +212,6 @@ class Trace:
     def streamed_blocks(self) -> Tuple[int, ...]:
         return tuple(i for i, keep in enumerate(self.resident) if not keep)
 
-    def forward_ops(self, k: int) -> Tuple[tuple, ...]:
-        """The ops issued from forward ``k``'s start to the next one's."""
-        starts = [i for i, op in enumerate(self.ops) if op[0] == "forward"] + [len(self.ops)]
-        return self.ops[starts[k]:starts[k + 1]]
-
 
 class _Session:
     """One stand-in model and its manager, replanned for each schedule recorded (packing the host store once per

@@ -298,11 +298,6 @@ def locate(pack: Optional[Path] = None, comfyui: Optional[Path] = None,
     return target_for(root, f"a base directory: ComfyUI started with --base-directory {root} reads it", None)
 
 
-def find_comfyui(pack: Optional[Path] = None) -> Path:
-    """The folder holding this ComfyUI's models/ and output/ (its code folder, or its --base-directory)."""
-    return locate(pack).root
-
-
 def cond_places(root: Optional[Path]) -> Tuple[str, ...]:
     """Where the ComfyUI at ``root`` has *Load Training Dataset* look for the saved conditioning, from its own code
     (comfy_extras/nodes_dataset.py): ``("datasets",)`` for one that lists the folders of datasets/ (0.33.0),

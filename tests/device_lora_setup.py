@@ -1,6 +1,6 @@
 """A tiny Wan 2.1 behind the offload node with a random LoRA applied on the device, for the ComfyUI tests to share
-(tests/comfy/test_device_lora_streams.py). Imports ComfyUI: use it from tests/comfy/ only, where tests/conftest.py
-has imported ComfyUI before collecting."""
+(tests/comfy/test_device_lora_streams.py, test_device_lora_factors.py). Imports ComfyUI: use it from tests/comfy/
+only, where tests/conftest.py has imported ComfyUI before collecting."""
 
 import torch
 

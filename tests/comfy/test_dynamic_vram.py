@@ -18,7 +18,8 @@ import comfy.model_patcher
 from comfy.model_patcher import ModelPatcher
 from comfy.patcher_extension import CallbacksMP
 
-from layerwise_offload.devtools import dynamic_vram_standin, tiny_dits
+from layerwise_offload.devtools import tiny_dits
+from layerwise_offload.tests import dynamic_vram_standin
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 

@@ -1,5 +1,5 @@
 """ComfyUI 0.33+ with dynamic VRAM, the default on NVIDIA: every loader -> node chain, through ComfyUI's own
-``ModelPatcherDynamic`` and its real load path (devtools/dynamic_vram_standin.py stands in for comfy-aimdo's device
+``ModelPatcherDynamic`` and its real load path (tests/dynamic_vram_standin.py stands in for comfy-aimdo's device
 set-up only).
 
 What 0.33 did to the pack before: the Layerwise loader's dynamic model had no ``cached_patcher_init``, so the node's
@@ -24,7 +24,8 @@ import comfy.utils
 import folder_paths
 import nodes as comfy_nodes
 
-from layerwise_offload.devtools import dynamic_vram_standin, peers, tiny_dits
+from layerwise_offload.devtools import peers, tiny_dits
+from layerwise_offload.tests import dynamic_vram_standin
 from layerwise_offload.nodes.loader import load_diffusion_model_layerwise, load_layerwise
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin

@@ -15,9 +15,11 @@ import torch
 
 import comfy.model_management as mm
 
-from layerwise_offload.bench import gpu_steps
-from layerwise_offload.bench.gpu_steps import (TABLES, Ballast, DevicePeak, Table, VbarCastCounter, bound_ms,
-                                               predict_setting, ratio, sweep_counts)
+from layerwise_offload.bench import gpu_dynamic, gpu_harness
+from layerwise_offload.bench.gpu_dynamic import VbarCastCounter
+from layerwise_offload.bench.gpu_harness import predict_setting
+from layerwise_offload.bench.gpu_steps import sweep_counts
+from layerwise_offload.bench.gpu_tables import TABLES, Ballast, DevicePeak, State, Table, bound_ms, ratio
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "bench" / "gpu_run.sh"
@@ -157,10 +159,11 @@ class FakeAimdoControl:
 
 def test_aimdo_is_started_in_comfyuis_order():
     control = FakeAimdoControl()
-    assert gpu_steps.start_dynamic_vram(control, 0) == "init() and init_devices([0]) ok"
+    gpu_dynamic.aimdo_init(control)  # what the dynamic step calls before ComfyUI's import initialises CUDA
+    gpu_dynamic.aimdo_init_device(control, 0)  # and after it, on the device ComfyUI picked
     assert control.calls == ["init(None, True)", "init_devices([(0, 0)])"]  # as 0.33.0's main.py: NVML pressure on
     with pytest.raises(RuntimeError, match=r"init_devices\(\[0\]\) failed after init\(\)"):
-        gpu_steps.aimdo_init_device(FakeAimdoControl(), 0)  # a device before the library: every dynamic row fails
+        gpu_dynamic.aimdo_init_device(FakeAimdoControl(), 0)  # a device before the library: every dynamic row fails
 
 
 def test_real_aimdo_refuses_a_device_before_init():
@@ -219,11 +222,10 @@ def test_a_mismatch_with_the_full_load_is_traced_to_its_first_module(tmp_path, m
     """When a run of the pack is not bitwise with the full load, the GPU run reruns one step of each and names the
     first leaf module that got the same input and gave another output (on the CPU here: a module made to differ)."""
     from types import SimpleNamespace
-    from layerwise_offload.bench.gpu_tables import State
     monkeypatch.setenv("LAYERWISE_OFFLOAD_CPU_LOOPBACK", "1")
     args = SimpleNamespace(preset="tiny_wan", dry_run=True, steps=3, step_name="trace")
     tables = {name: Table(tmp_path, name) for name in TABLES}
-    h = gpu_steps.make_harness(args, State(tmp_path / "work"), tables)
+    h = gpu_harness.make_harness(args, State(tmp_path / "work"), tables)
     try:
         h.full()
         offload = h._offload

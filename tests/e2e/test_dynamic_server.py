@@ -1,9 +1,9 @@
 """A real ComfyUI 0.33 server with dynamic VRAM (comfy-aimdo's ``ModelPatcherDynamic``, through
-devtools/dynamic_vram_standin.py), driven over its HTTP API: the node takes ComfyUI's dynamic model over as an
+tests/dynamic_vram_standin.py), driven over its HTTP API: the node takes ComfyUI's dynamic model over as an
 ordinary patcher of the same model, with the latent ComfyUI computes and no more RAM than ComfyUI's own dynamic load.
 
 The server (``main.py --cpu``, CPU loopback on) gets a tiny test-only custom node beside the pack
-(:data:`STANDIN_INIT`): it loads the pack's devtools/dynamic_vram_standin.py by file path and calls ``enable()``, what
+(:data:`STANDIN_INIT`): it loads the pack's tests/dynamic_vram_standin.py by file path and calls ``enable()``, what
 main.py does when aimdo finds a GPU. It also writes a timeline (every log record and each ``executing`` event, with
 its wall time) and logs each ``comfy.utils.load_torch_file`` call (a reload would show), and it offers
 ``POST /layerwise_offload_test/dynamic_vram`` to turn the stand-in off and on between prompts: a LoRA on a dynamic
@@ -37,7 +37,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from layerwise_offload.devtools import dynamic_vram_standin, e2e_assets
+from layerwise_offload.devtools import e2e_assets
+from layerwise_offload.tests import dynamic_vram_standin
 from layerwise_offload.devtools.server import PACK_FOLDER, ComfyServer, prepare_base_dir
 
 if not dynamic_vram_standin.available():
@@ -61,7 +62,7 @@ MiB = 2**20
 #: The test-only custom node: ComfyUI imports ``custom_nodes/<STANDIN_FOLDER>/__init__.py`` at start.
 STANDIN_INIT = textwrap.dedent('''\
     """Test only (layerwise-offload tests/e2e/test_dynamic_server.py): ComfyUI 0.33's dynamic VRAM on the CPU
-    (the pack's devtools/dynamic_vram_standin.py), a timeline of the run, and a switch for the stand-in."""
+    (the pack's tests/dynamic_vram_standin.py), a timeline of the run, and a switch for the stand-in."""
     import importlib.util
     import logging
     import os
@@ -74,7 +75,7 @@ STANDIN_INIT = textwrap.dedent('''\
     from server import PromptServer
 
     HERE = os.path.dirname(os.path.abspath(__file__))
-    STANDIN = os.path.join(os.path.dirname(HERE), {pack!r}, "devtools", "dynamic_vram_standin.py")
+    STANDIN = os.path.join(os.path.dirname(HERE), {pack!r}, "tests", "dynamic_vram_standin.py")
     _spec = importlib.util.spec_from_file_location("layerwise_offload_test_dynamic_vram_standin", STANDIN)
     standin = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(standin)

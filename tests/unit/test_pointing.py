@@ -2,7 +2,8 @@
 re-pointed through contents of its own (aliases) and a donor's C++ tensor when the device changes, never through a
 throwaway object after the first time; the parameter keeps its identity, type and its owner's attributes; the
 targets are never modified; moves by someone else are still noticed; the counters read O(1) state that matches the
-blocks'. Counts, not times (times: bench/studies/host_time.py)."""
+blocks'. Counts, not times (times: bench/studies/host_time.py, removed since:
+`git show 48aa0a6:bench/studies/host_time.py`)."""
 
 import pytest
 import torch
