@@ -45,7 +45,7 @@ class Prediction:
     host_s: float  # the host's busy time in the step
     copies: int  # copies queued in the step
     # The last forward's timeline, in seconds from the end of the forward before's last block (the origin a GPU
-    # run's per-block CUDA events share, bench/gpu_steps.py): each block's kernels (start, end), and each copy into
+    # run's per-block CUDA events share, bench/gpu_harness.py): each block's kernels (start, end), and each copy into
     # a block's memory queued in that forward or the one before (block, start, end; those before the origin
     # negative): a block's copy may be queued a forward ahead (the wrap-around prefetch).
     block_spans: Tuple[Tuple[float, float], ...] = ()
