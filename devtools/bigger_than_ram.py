@@ -23,7 +23,7 @@ The ComfyUI is the one of the interpreter's venv and ``COMFYUI_PATH``, as for th
     COMFYUI_PATH=$PWD/.comfyui/ComfyUI .venv/bin/python -P devtools/bigger_than_ram.py --case flux experts
     COMFYUI_PATH=$PWD/.comfyui/ComfyUI-0.33.0 .venv-0.33.0/bin/python -P devtools/bigger_than_ram.py --case all
 
-Needs root and a memory cgroup controller (the cgroup helpers of tests/e2e/test_host_ram_cgroup.py).
+Needs root and a memory cgroup controller (the cgroup helpers of tests/e2e/cgroups.py).
 """
 
 from __future__ import annotations
