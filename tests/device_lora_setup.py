@@ -1,6 +1,7 @@
-"""A tiny Wan 2.1 behind the offload node with a random LoRA applied on the device, for the ComfyUI tests to share
-(tests/comfy/test_device_lora_streams.py, test_device_lora_factors.py). Imports ComfyUI: use it from tests/comfy/
-only, where tests/conftest.py has imported ComfyUI before collecting."""
+"""A tiny Wan 2.1 behind the offload node with a random LoRA applied on the device, and that random LoRA, for the
+ComfyUI tests to share (tests/comfy/test_device_lora_streams.py, test_device_lora_factors.py, test_host_ram.py,
+...). Imports ComfyUI: use it from tests/comfy/ only, where tests/conftest.py has imported ComfyUI before
+collecting."""
 
 import torch
 
@@ -12,8 +13,9 @@ from layerwise_offload.nodes.controller import offload_model
 __all__ = ["offloaded_with_lora", "random_lora", "tensors_of"]
 
 
-def random_lora(patcher, rank=3):
-    generator = torch.Generator().manual_seed(11)
+def random_lora(patcher, seed=11, rank=3):
+    """A LoRA in the generic ``<key>.lora_up.weight`` format over the blocks' 2-D weights (their Linears)."""
+    generator = torch.Generator().manual_seed(seed)
     lora = {}
     for key, tensor in patcher.model.state_dict().items():
         if ".blocks." in key and key.endswith(".weight") and tensor.ndim == 2:

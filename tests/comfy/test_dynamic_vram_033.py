@@ -29,9 +29,8 @@ from layerwise_offload.tests import dynamic_vram_standin
 from layerwise_offload.nodes.loader import load_diffusion_model_layerwise, load_layerwise
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
-
-from .test_host_ram import random_block_lora
-from .test_streamed_tails import overhead
+from layerwise_offload.tests.comfy_support import overhead
+from layerwise_offload.tests.device_lora_setup import random_lora
 
 if not dynamic_vram_standin.available():
     pytest.skip("this ComfyUI has no dynamic VRAM that core loaders use (0.33+)", allow_module_level=True)
@@ -139,7 +138,7 @@ def test_lora_before_or_after_the_node_is_comfyuis(files, loader):
     dynamic_vram_standin.disable()
     try:
         plain = comfy.sd.load_diffusion_model(path)
-        lora = random_block_lora(plain)
+        lora = random_lora(plain, seed=7, rank=2)
         want = tiny_dits.sample(comfy.sd.load_lora_for_models(plain, None, lora, 0.8, 0)[0], seed=3)
     finally:
         dynamic_vram_standin.enable()

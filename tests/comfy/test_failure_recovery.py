@@ -17,8 +17,7 @@ import comfy.sd
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
-
-from .test_messy_states import lora
+from layerwise_offload.tests.comfy_support import lora
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
 

@@ -12,6 +12,7 @@ from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.offload import HostEnvironment, LayerwiseOffloadManager
 from layerwise_offload.nodes.advice import block_tiers
+from layerwise_offload.tests.device_lora_setup import random_lora
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
 
@@ -173,7 +174,7 @@ def test_on_the_cpu_loopback_the_host_store_leaves_the_devices_ram(monkeypatch, 
 
     # A LoRA before the node: its math's scratch is "VRAM" beside the blocks too.
     lora_model = tiny_dits.build_tiny("wan21")
-    patched, _ = comfy.sd.load_lora_for_models(lora_model, None, random_block_lora(lora_model), 0.8, 0)
+    patched, _ = comfy.sd.load_lora_for_models(lora_model, None, random_lora(lora_model, seed=7, rank=2), 0.8, 0)
     offloaded = offload_model(patched, 1, 1, "leading", True, "auto")
     tiny_dits.sample(offloaded, seed=3)
     controller = controller_of(offloaded)
@@ -183,22 +184,11 @@ def test_on_the_cpu_loopback_the_host_store_leaves_the_devices_ram(monkeypatch, 
     mm.unload_all_models()
 
 
-def random_block_lora(patcher, seed=7, rank=2):
-    generator = torch.Generator().manual_seed(seed)
-    lora = {}
-    for key, tensor in patcher.model.state_dict().items():
-        if key.endswith(".weight") and tensor.ndim == 2 and ".blocks." in key:
-            stem = key[:-len(".weight")]
-            lora[f"{stem}.lora_up.weight"] = 0.05 * torch.randn(tensor.shape[0], rank, generator=generator)
-            lora[f"{stem}.lora_down.weight"] = 0.05 * torch.randn(rank, tensor.shape[1], generator=generator)
-    return lora
-
-
 def test_lora_is_applied_on_the_device_and_the_host_keeps_the_weights_once():
     """A LoRA applied after a prompt without it: the host store keeps the unpatched weights only, ComfyUI's
     backups are views of them (no bytes of their own), and the output is ComfyUI's full load with the LoRA."""
     reference_model = tiny_dits.build_tiny("wan21")
-    lora = random_block_lora(reference_model)
+    lora = random_lora(reference_model, seed=7, rank=2)
     reference, _ = comfy.sd.load_lora_for_models(reference_model, None, lora, 0.8, 0)
     want = tiny_dits.sample(reference, seed=3)
     mm.unload_all_models()
@@ -235,7 +225,7 @@ def test_force_patch_weights_bakes_the_lora_into_what_comfyui_reads():
     """ComfyUI asks for really patched weights (force_patch_weights) when it saves or merges a model: the blocks'
     weights then hold the LoRA, baked into the host store; the next ordinary run applies it on the device again."""
     reference_model = tiny_dits.build_tiny("wan21")
-    lora = random_block_lora(reference_model)
+    lora = random_lora(reference_model, seed=7, rank=2)
     reference, _ = comfy.sd.load_lora_for_models(reference_model, None, lora, 0.8, 0)
     mm.load_models_gpu([reference], force_full_load=True)
     want = {k: v.clone() for k, v in reference.model.state_dict().items() if ".blocks." in k}

@@ -15,8 +15,7 @@ from layerwise_offload.nodes.loader import load_diffusion_model_layerwise, model
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.offload.disk.checkpoint import locate
-
-from .test_host_ram import random_block_lora
+from layerwise_offload.tests.device_lora_setup import random_lora
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
 
@@ -111,7 +110,7 @@ def test_behind_the_offload_node_disk_blocks_read_the_checkpoint_and_nothing_is_
 
 
 def test_lora_on_the_device_keeps_the_file_source_and_a_bake_falls_back_to_the_cache_file(wan_files, disk_dir):
-    lora = random_block_lora(comfy.sd.load_diffusion_model(wan_files[0]))
+    lora = random_lora(comfy.sd.load_diffusion_model(wan_files[0]), seed=7, rank=2)
     reference, _ = comfy.sd.load_lora_for_models(comfy.sd.load_diffusion_model(wan_files[0]), None, lora, 0.8, 0)
     want = tiny_dits.sample(reference, seed=3)
     mm.unload_all_models()

@@ -4,8 +4,6 @@ Every output is bitwise equal to ComfyUI's own output for the same graph without
 fresh model (no state shared with the graph under test).
 """
 
-import functools
-
 import pytest
 import torch
 
@@ -16,28 +14,9 @@ import comfy.sd
 from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.nodes.controller import offload_model
 from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
+from layerwise_offload.tests.comfy_support import lora
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
-
-
-def random_lora(patcher, seed, rank=2):
-    """A LoRA in the generic ``<key>.lora_up.weight`` format over the blocks' Linear weights and one non-block."""
-    generator = torch.Generator().manual_seed(seed)
-    lora = {}
-    for key, tensor in patcher.model.state_dict().items():
-        if not key.endswith(".weight") or tensor.ndim != 2:
-            continue
-        if ".blocks." not in key and "text_embedding" not in key:
-            continue
-        stem = key[:-len(".weight")]
-        lora[f"{stem}.lora_up.weight"] = 0.05 * torch.randn(tensor.shape[0], rank, generator=generator)
-        lora[f"{stem}.lora_down.weight"] = 0.05 * torch.randn(rank, tensor.shape[1], generator=generator)
-    return lora
-
-
-@functools.lru_cache(maxsize=None)
-def lora():
-    return random_lora(tiny_dits.build_tiny("wan21"), seed=7)
 
 
 def with_lora(patcher, strength):

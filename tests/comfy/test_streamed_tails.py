@@ -18,20 +18,14 @@ from layerwise_offload.nodes.patcher import LayerwiseOffloadPatcherMixin
 from layerwise_offload.nodes.stats_view import stats_view
 from layerwise_offload.offload import TIMING_GPU_ENV, plan_residency
 from layerwise_offload.offload.timing import costs as gpu_costs
+from layerwise_offload.tests.comfy_support import overhead
 from layerwise_offload.tests.device_lora_setup import random_lora
-from layerwise_offload.offload.planner import forward_activation_bytes
 
 pytestmark = pytest.mark.usefixtures("comfy_loopback")
 
 
 def controller_of(patcher):
     return patcher.attachments[LayerwiseOffloadPatcherMixin.ATTACHMENT]
-
-
-def overhead():
-    latent = tiny_dits.TINY_FAMILIES["wan21"].latent_shape
-    activations = forward_activation_bytes("WanModel", 256, 2 * 8 * 8, batch=2 * latent[0], dtype_bytes=4).nbytes
-    return int(mm.minimum_inference_memory()) + activations
 
 
 SLOW_LINK = "RTX 4090 behind a 0.2 GB/s link"

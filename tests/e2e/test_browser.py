@@ -17,8 +17,6 @@ Debian's Chromium.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 
@@ -26,33 +24,15 @@ import pytest
 
 from layerwise_offload.devtools.peers import PEER_NODES
 
-from .conftest import run_label
+from .browser_support import (ARTIFACTS, DISPLAY, NODE, REPO, TINY, browser, close_dialogs, dialog_texts, error_toast,
+                              load, notices, open_app, open_node_search, open_templates, page, shot)
 
-REPO = Path(__file__).resolve().parents[2]
-ARTIFACTS = REPO / "artifacts" / run_label()  # each side-by-side run its own (scripts/test.sh)
+__all__ = ["browser", "page"]  # module-scoped fixtures, used here through the import
+
 WORKFLOWS = sorted((REPO / "workflows").glob("*.json"))
-TINY = next((REPO / "workflows").glob("A tiny demo*.json"))
-CHROMIUM = os.environ.get("LAYERWISE_OFFLOAD_CHROMIUM", "/usr/bin/chromium")
-# What the machine notes prescribe for Chromium here (root, no GPU, closed network).
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
-NODE = "LayerwiseOffload"
 LAYERWISE_LOADER = "LayerwiseOffloadLoadDiffusionModel"
-DISPLAY = "Layerwise Offload (DiT)"
-PACK_FOLDER = "layerwise-offload"
-# Rewrite the committed pictures in docs/ from this run.
-UPDATE_PICTURES = os.environ.get("LAYERWISE_OFFLOAD_UPDATE_PICTURES") == "1"
 # The canvas below the frontend's top bars, right of its sidebar (viewport 1600x1000).
 THUMBNAIL_CLIP = {"x": 60, "y": 130, "width": 1120, "height": 840}
-
-sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (scripts/install_browser.sh)")
-if not Path(CHROMIUM).is_file():
-    pytest.skip(f"no Chromium at {CHROMIUM} (scripts/install_browser.sh installs Debian's)", allow_module_level=True)
-
-
-def _shot(page, name: str) -> None:
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(ARTIFACTS / f"browser_{name}.png"))
 
 
 def _thumbnail(page, workflow: Path) -> Path:
@@ -74,108 +54,9 @@ def _thumbnail(page, workflow: Path) -> Path:
     return out
 
 
-def _picture(page, name: str, scale: float, origin, size) -> Path:
-    """A README picture: the graph from ``origin`` (graph units) at ``scale``, ``size`` screen pixels. It goes to
-    artifacts/docs/; with LAYERWISE_OFFLOAD_UPDATE_PICTURES=1 also to docs/."""
-    x0, y0 = 70, 140  # below the top bars and the workflow name, right of the sidebar
-    page.evaluate("""([s, gx, gy, x0, y0]) => { const c = window.app.canvas; c.show_info = false; c.ds.scale = s;
-        c.ds.offset = [x0 / s - gx, y0 / s - gy]; c.setDirty(true, true); }""", [scale, *origin, x0, y0])
-    page.wait_for_timeout(400)  # DOM widgets (the stats text) follow the next frame
-    out = ARTIFACTS / "docs" / f"{name}.png"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(out), clip={"x": x0, "y": y0, "width": size[0], "height": size[1]})
-    if UPDATE_PICTURES:
-        (REPO / "docs").mkdir(exist_ok=True)
-        shutil.copyfile(out, REPO / "docs" / out.name)
-    return out
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        try:
-            yield b
-        finally:
-            b.close()
-
-
-def _open_app(browser, comfy_server, **context_options):
-    # A returning user: no first-run template browser popping up over the canvas.
-    status, _ = comfy_server.request("POST", "/api/settings", {"Comfy.TutorialCompleted": True})
-    assert status == 200
-    ctx = browser.new_context(viewport={"width": 1600, "height": 1000}, **context_options)
-    pg = ctx.new_page()
-    pg.page_errors = []
-    pg.on("pageerror", lambda e: pg.page_errors.append(str(e)))
-    pg.goto(comfy_server.url, wait_until="domcontentloaded")
-    pg.wait_for_function("() => window.app && window.app.graph && window.LiteGraph && window.app.canvas",
-                         timeout=90_000)
-    return ctx, pg
-
-
-@pytest.fixture(scope="module")
-def page(browser, comfy_server):
-    ctx, pg = _open_app(browser, comfy_server)
-    yield pg
-    ctx.close()
-
-
-def _close_dialogs(pg) -> None:
-    for _ in range(5):
-        if pg.get_by_role("dialog").count() == 0:
-            return
-        pg.keyboard.press("Escape")
-        pg.wait_for_timeout(300)
-
-
-def _open_node_search(pg):
-    """Double-click the empty canvas as a person does. On a busy machine the page can take the two clicks as two
-    single clicks; a person would double-click again, and so does this (each try leaves a screenshot). The box is
-    the text field of the search dialog that opens, by what it says: "Search Nodes..." in 1.32 and 1.39, "Add a
-    node..." in 1.49 and 1.58 (whose right side panel has a "Search ..." box of its own: not this one)."""
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    box = pg.locator("input[placeholder*='Search Nodes' i], input[placeholder*='Add a node' i]").first
-    for attempt in range(3):
-        _close_dialogs(pg)
-        pg.locator("#graph-canvas").dblclick(position={"x": 800, "y": 500})
-        try:
-            box.wait_for(state="visible", timeout=5_000)
-            return box
-        except PlaywrightTimeout:
-            _shot(pg, f"node_search_try{attempt + 1}")
-    raise AssertionError("double-clicking the canvas opened no node search box (artifacts/browser_node_search_try*)")
-
-
-def _dialog_texts(pg):
-    d = pg.get_by_role("dialog")
-    return [d.nth(i).inner_text() for i in range(d.count())]
-
-
-def _error_toast(pg):
-    """1.49's warning after a load: a toast (role status) in the top right corner, "Missing node: <type>" or "<n>
-    errors found", whose View details button opens the Errors tab of the right side panel. 1.32 and 1.39 open
-    dialogs instead."""
-    return pg.get_by_role("status").filter(has=pg.get_by_role("button", name="View details"))
-
-
-def _notices(pg):
-    """What the page shows a person after a load: the texts of its dialogs and of its error toast."""
-    toast = _error_toast(pg)
-    return _dialog_texts(pg) + [toast.nth(i).inner_text() for i in range(toast.count()) if toast.nth(i).is_visible()]
-
-
-def _load(pg, wf: dict, name: str):
-    _close_dialogs(pg)
-    pg.evaluate("async ([w, name]) => { await window.app.loadGraphData(w, true, true, name); }", [wf, name])
-    pg.wait_for_timeout(800)  # the warning dialogs (the error toast) open right after the graph is configured
-    return _notices(pg)
-
-
 def _open_error_details(pg) -> bool:
     """1.49: press View details on the error toast and wait for the Errors tab it opens. False: no toast."""
-    toast = _error_toast(pg)
+    toast = error_toast(pg)
     if not (toast.count() and toast.first.is_visible()):
         return False
     toast.first.get_by_role("button", name="View details").click()
@@ -236,16 +117,16 @@ def test_frontend_loads_with_the_node_registered(page):
 def test_node_search_finds_and_adds_the_node(page):
     import re
 
-    _close_dialogs(page)
+    close_dialogs(page)
     page.evaluate("() => window.app.graph.clear()")
-    box = _open_node_search(page)
+    box = open_node_search(page)
     box.fill("Layerwise")
     option = page.get_by_role("option").filter(has_text=DISPLAY).first
     option.wait_for(state="visible", timeout=10_000)
     # The category path shown under the name: "model_patches > layerwise_offload" (1.32, 1.39), "model_patches /
     # layerwise_offload" (1.49, beside the pack's chip "layerwise-offload" and the description).
     assert re.search(r"model_patches\s*[>/]\s*layerwise_offload", option.inner_text()), option.inner_text()
-    _shot(page, "node_search")
+    shot(page, "node_search")
     option.click()
     page.wait_for_timeout(300)
     assert page.evaluate("() => window.app.graph._nodes.map(n => n.type)") == [NODE]
@@ -260,16 +141,16 @@ def test_missing_node_detector_sees_a_missing_node(page):
     # its View details opening the Errors tab whose Missing Node Packs group names it) and _broken_nodes.
     wf = json.loads(TINY.read_text())
     wf["nodes"][0]["type"] = "DefinitelyNotARealNode"
-    texts = _load(page, wf, "missing_control")
+    texts = load(page, wf, "missing_control")
     assert any("missing node" in t.lower() and "DefinitelyNotARealNode" in t for t in texts), texts
-    _shot(page, "missing_node_control")
+    shot(page, "missing_node_control")
     listing = _missing_nodes_listing(page)
-    assert listing is not None, _notices(page)
+    assert listing is not None, notices(page)
     assert "DefinitelyNotARealNode" in listing.inner_text(), listing.inner_text()
     _seen_on_screen(page, listing, "the listing of the missing node")
-    _shot(page, "missing_node_control_listing")
+    shot(page, "missing_node_control_listing")
     assert _broken_nodes(page) == ["DefinitelyNotARealNode"]
-    _close_dialogs(page)
+    close_dialogs(page)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])
@@ -277,7 +158,7 @@ def test_workflow_loads_without_missing_nodes(page, path, missing_peers):
     import re
 
     wf = json.loads(path.read_text())
-    texts = _load(page, wf, path.stem)
+    texts = load(page, wf, path.stem)
     # Node types of peer packs the session's server lacks (their source is not on this machine) are the only
     # ones allowed to be missing, and the frontend must say so.
     absent = sorted(n["type"] for n in wf["nodes"] if PEER_NODES.get(n["type"], ("",))[0] in missing_peers)
@@ -285,7 +166,7 @@ def test_workflow_loads_without_missing_nodes(page, path, missing_peers):
     if absent:
         assert listing is not None and all(name in listing.inner_text() for name in absent), texts
         assert sorted(_broken_nodes(page)) == absent
-        _close_dialogs(page)
+        close_dialogs(page)
         pytest.skip(f"{', '.join(sorted(set(absent)))} missing as expected: "
                     + "; ".join(sorted(set(missing_peers.values()))))
     assert listing is None, listing.inner_text()
@@ -318,56 +199,23 @@ def test_workflow_loads_without_missing_nodes(page, path, missing_peers):
         assert downloads.count() == len(with_url), text
         if listing.get_attribute("role") == "dialog":
             assert ".gguf" not in text, text
-    _shot(page, f"workflow_{path.stem}")
-    _close_dialogs(page)
+    shot(page, f"workflow_{path.stem}")
+    close_dialogs(page)
     _thumbnail(page, path)
 
 
-def _open_templates(page):
-    _close_dialogs(page)
-    page.evaluate("() => window.app.graph.clear()")
-    page.get_by_role("button", name="Templates").first.click()
-    dialog = page.get_by_role("dialog").first
-    dialog.get_by_text(PACK_FOLDER, exact=True).first.click()
-    return dialog
-
-
-def _open_tiny_demo_as_a_template(page) -> None:
-    """The tiny demo opened the way a user opens it: from the templates dialog, at the zoom the frontend picks
-    (1.32 and 1.39 keep the workflow's own; 1.49 and 1.58 fit the graph to the window)."""
-    _open_templates(page).get_by_text(TINY.stem, exact=True).first.click()
-    page.wait_for_function("() => window.app.graph._nodes.some(n => n.type === 'LayerwiseOffloadStats')",
-                           timeout=15_000)
-    page.wait_for_timeout(800)  # the fit happens after the graph is configured
-    _close_dialogs(page)
-
-
 def test_templates_dialog_lists_the_pack_and_loads_the_tiny_demo(page):
-    dialog = _open_templates(page)
+    dialog = open_templates(page)
     for path in WORKFLOWS:
         dialog.get_by_text(path.stem, exact=True).first.wait_for(state="visible", timeout=10_000)
     # Each card shows its thumbnail (<name>.jpg beside the workflow), not a broken image.
     page.wait_for_function("""(n) => [...document.querySelectorAll('[role=dialog] img')]
         .filter(i => i.complete && i.naturalWidth === 480).length >= n""", arg=len(WORKFLOWS), timeout=15_000)
-    _shot(page, "templates_dialog")
+    shot(page, "templates_dialog")
     dialog.get_by_text(TINY.stem, exact=True).first.click()
     page.wait_for_function("() => window.app.graph._nodes.some(n => n.type === 'LayerwiseOffload')", timeout=15_000)
-    assert page.get_by_role("dialog").count() == 0, _dialog_texts(page)
+    assert page.get_by_role("dialog").count() == 0, dialog_texts(page)
     assert _broken_nodes(page) == []
-
-
-def _run_from_page(page, comfy_server) -> dict:
-    """Press the page's Run button and return the /history entry of the prompt it queued."""
-    before = set(comfy_server.get_json("/api/history"))
-    page.get_by_role("button", name="Run", exact=True).first.click()
-    deadline = time.monotonic() + 120
-    new = []
-    while time.monotonic() < deadline and not new:
-        new = [k for k in comfy_server.get_json("/api/history") if k not in before]
-        time.sleep(0.25)
-    assert new, "the Run button queued nothing"
-    return comfy_server.wait_for(new[0], timeout=120)
-
 
 
 # ------------------------------------------------------------------------------------------------ missing models
@@ -421,7 +269,7 @@ def _missing_models_listing(page):
                 continue
             return group.first
         page.wait_for_timeout(250)
-    _shot(page, "missing_models_not_shown")
+    shot(page, "missing_models_not_shown")
     raise AssertionError("no missing-models listing (artifacts/browser_missing_models_not_shown.png): "
                          + page.evaluate("() => document.body.innerText")[-2000:])
 
@@ -452,7 +300,7 @@ def _seen_on_screen(page, locator, what: str) -> None:
 
 
 def _close_missing_models(page) -> None:
-    _close_dialogs(page)
+    close_dialogs(page)
     page.evaluate("() => window.app.graph.clear()")
     page.wait_for_timeout(300)
 
@@ -462,7 +310,7 @@ def page_online(browser, comfy_server):
     """A page that may reach Hugging Face as a user's does: the session's server runs with --disable-api-nodes,
     whose Content-Security-Policy (connect-src 'self') blocks the frontend's size request; the page ignores that
     policy and the test answers the request (the machine is offline)."""
-    ctx, pg = _open_app(browser, comfy_server, bypass_csp=True)
+    ctx, pg = open_app(browser, comfy_server, bypass_csp=True)
     pg.route("https://huggingface.co/**", _answer_size_requests)
     yield pg
     ctx.close()
@@ -484,14 +332,14 @@ def test_missing_diffusion_model_of_a_template_is_offered_for_download(page_onli
     others = [m["name"] for n in wf["nodes"] if n is not loader for m in n["properties"].get("models", [])]
     assert others, "the text encoders and the VAE carry their downloads too"
 
-    _load(page, wf, path.stem)
+    load(page, wf, path.stem)
     assert page.evaluate("(t) => window.app.graph._nodes.filter(n => n.type === t).length", LAYERWISE_LOADER) == 1
     listing = _missing_models_listing(page)
     row = _model_row(listing, model["name"])
     assert "diffusion_models" in row.inner_text(), row.inner_text()
     for name in others:
         _model_row(listing, name)
-    _shot(page, "missing_model_download")
+    shot(page, "missing_model_download")
     _seen_on_screen(page, row, f"the row of {model['name']}")
     _seen_on_screen(page, row.get_by_role("button", name=re.compile(r"^Download")).first, "its Download button")
     _record_downloads(page)
@@ -504,11 +352,11 @@ def test_missing_diffusion_model_of_a_template_is_offered_for_download(page_onli
     tiny_file = next(n for n in present["nodes"] if n["type"] == "UNETLoader")["widgets_values"][0]
     loader["widgets_values"][0] = tiny_file
     loader["properties"]["models"] = [dict(model, name=tiny_file)]
-    _load(page, wf, path.stem + " (control)")
+    load(page, wf, path.stem + " (control)")
     listing = _missing_models_listing(page)
     for name in others:
         _model_row(listing, name)
     text = listing.inner_text()
     assert model["name"] not in text and tiny_file not in text, text
-    _shot(page, "missing_model_control")
+    shot(page, "missing_model_control")
     _close_missing_models(page)

@@ -1,4 +1,4 @@
-"""What a person sees of the pack in the real frontend (fixtures and helpers of test_browser.py); scripts/test.sh
+"""What a person sees of the pack in the real frontend (fixtures and helpers of browser_support.py); scripts/test.sh
 also runs this file on the newest frontend, 1.58.1 (LAYERWISE_OFFLOAD_FRONTEND_ROOT).
 
 - The tiny demo opened from the templates dialog and queued from the page's Run button completes, and the Stats
@@ -25,9 +25,9 @@ import pytest
 from layerwise_offload.devtools.server import PACK_FOLDER, ComfyServer, prepare_base_dir
 
 from .conftest import CPU_LOOPBACK_ENV, FRONTEND_ROOT_ENV, server_args
-from .test_browser import (ARTIFACTS, DISPLAY, NODE, REPO, TINY, UPDATE_PICTURES, _close_dialogs, _load, _open_app,
-                           _open_node_search, _open_tiny_demo_as_a_template, _picture, _run_from_page, _shot, browser,
-                           page)
+from .browser_support import (ARTIFACTS, DISPLAY, NODE, REPO, TINY, UPDATE_PICTURES, browser, close_dialogs, load,
+                              open_app, open_node_search, open_tiny_demo_as_a_template, page, picture, run_from_page,
+                              shot)
 
 __all__ = ["browser", "page"]  # module-scoped fixtures, used here through the import
 
@@ -56,7 +56,7 @@ def _colour_pixels(page, box: dict, name: str) -> dict:
     """Screenshot of the page; how many pixels inside the Stats node's picture have each block colour."""
     from PIL import Image
 
-    _shot(page, name)
+    shot(page, name)
     with Image.open(ARTIFACTS / f"browser_{name}.png") as im:
         rgb = im.convert("RGB")
         left, top = max(0, int(box["x"])), max(0, int(box["y"]))
@@ -88,7 +88,7 @@ def _assert_save_image_preview_drawn(page, name: str) -> None:
     page.evaluate("() => window.app.canvas.setDirty(true, true)")
     page.wait_for_timeout(300)  # drawn on the next frame
     box = page.evaluate(_SAVE_IMAGE_PREVIEW)
-    _shot(page, name)
+    shot(page, name)
     with Image.open(ARTIFACTS / f"browser_{name}.png") as im:
         rgb = im.convert("RGB")
         left, top = max(0, int(box["x"])), max(0, int(box["y"] + box["h"] / 2))
@@ -105,7 +105,7 @@ def _run_the_tiny_demo_from_the_page(page, server, name: str):
     """The tiny demo opened from the templates dialog, ``resident_layers`` set to 2 as the README says, and run from
     the page's Run button: the SaveImage node shows the pictures and the Stats node the run, in the screenshot.
     Returns the /history entry and the Stats node's picture box."""
-    _open_tiny_demo_as_a_template(page)
+    open_tiny_demo_as_a_template(page)
     zoom = _opening_zoom(page)  # what the frontend opens the template at (1.49 and 1.58 fit it to the window)
     # ... a zoom at which the frontend draws the nodes' text, not their low-detail outlines (0.55 did not).
     assert zoom >= 0.78 and page.evaluate("() => window.app.canvas.low_quality") is not True, zoom
@@ -114,8 +114,8 @@ def _run_the_tiny_demo_from_the_page(page, server, name: str):
     # As a user would try next: 2 of the 4 blocks resident instead of auto, so 2 stream.
     page.evaluate("""() => window.app.graph._nodes.find(n => n.type === 'LayerwiseOffload')
         .widgets.find(w => w.name === 'resident_layers').value = 2""")
-    entry = _run_from_page(page, server)
-    _shot(page, f"{name}_after_run")
+    entry = run_from_page(page, server)
+    shot(page, f"{name}_after_run")
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
     prompt = entry["prompt"][2]
     assert any(n["class_type"] == NODE for n in prompt.values())
@@ -151,37 +151,37 @@ def test_tiny_demo_queued_from_the_page_completes(page, comfy_server):
     if _frontend_version(page) >= NEWEST_FRONTEND:
         pytest.skip("test_the_readmes_demo_on_a_fresh_base_directory_draws_the_readmes_picture runs it here")
     _run_the_tiny_demo_from_the_page(page, comfy_server, "tiny_demo")
-    _picture(page, "stats_node", 1.2, (800, 430), (530, 590))  # docs/internals.md's (the README's: below)
+    picture(page, "stats_node", 1.2, (800, 430), (530, 590))  # docs/internals.md's (the README's: below)
 
 
 def test_stats_node_asks_for_after_when_it_is_unconnected(page, comfy_server):
-    _close_dialogs(page)
+    close_dialogs(page)
     wf = json.loads(TINY.read_text())
     stats = next(n for n in wf["nodes"] if n["type"] == "LayerwiseOffloadStats")
     after = next(i for i in stats["inputs"] if i["name"] == "after")
     wf["links"] = [link for link in wf["links"] if link[0] != after["link"]]
     after["link"] = None
-    _load(page, wf, "after_unconnected")
+    load(page, wf, "after_unconnected")
     hint = "Connect the sampler's LATENT output to `after`"
     assert hint in _stats_box(page, "waiting")["text"]
-    entry = _run_from_page(page, comfy_server)
+    entry = run_from_page(page, comfy_server)
     assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
     [text] = [o["text"][0] for o in entry["outputs"].values() if "text" in o]
     # Read before or after the sampler ran (nothing orders them): either way it says to connect `after`.
     assert "connect the sampler's LATENT output to `after`" in text, text
     page.wait_for_function("(t) => document.querySelector('[data-layerwiseoffload-state]')?.innerText.includes(t)",
                            arg="connect the sampler's LATENT output to `after`", timeout=30_000)
-    _shot(page, "stats_after_unconnected")
+    shot(page, "stats_after_unconnected")
 
 
 def test_the_stats_node_keeps_its_size_when_the_workflow_is_loaded_again(page, comfy_server):
     """The node grows to hold its picture and no more: loading the same workflow again leaves it as it was (it grew
     by a few units at every load while the picture's height was measured from its own stretched box)."""
-    _close_dialogs(page)
+    close_dialogs(page)
     size = "() => window.app.graph._nodes.find(n => n.type === 'LayerwiseOffloadStats').size.slice()"
     heights = []
     for attempt in range(3):
-        _load(page, json.loads(TINY.read_text()), f"stats_size_{attempt}")
+        load(page, json.loads(TINY.read_text()), f"stats_size_{attempt}")
         page.wait_for_timeout(400)  # the picture is fitted on the next animation frame
         heights.append(page.evaluate(size)[1])
     assert heights[0] == heights[1] == heights[2], heights
@@ -191,12 +191,12 @@ def test_stats_picture_is_drawn_in_nodes_2_0(page, comfy_server):
     set_vue = "async (on) => { await window.app.extensionManager.setting.set('Comfy.VueNodes.Enabled', on); }"
     page.evaluate(set_vue, True)
     try:
-        _close_dialogs(page)
-        _load(page, json.loads(TINY.read_text()), TINY.stem)
+        close_dialogs(page)
+        load(page, json.loads(TINY.read_text()), TINY.stem)
         page.wait_for_selector("[data-node-id]", timeout=15_000)  # Vue nodes are DOM elements
         page.evaluate("""() => window.app.graph._nodes.find(n => n.type === 'LayerwiseOffload')
             .widgets.find(w => w.name === 'resident_layers').value = 2""")
-        entry = _run_from_page(page, comfy_server)
+        entry = run_from_page(page, comfy_server)
         assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
         box = _stats_box(page, "run")
         assert box["blocks"] == "RRSS" and "2 of 4 blocks in VRAM" in box["text"], box
@@ -232,8 +232,8 @@ def test_a_cpu_server_says_the_model_was_passed_through(browser, passthrough_ser
     try:
         pg.goto(passthrough_server.url, wait_until="domcontentloaded")
         pg.wait_for_function("() => window.app && window.app.graph && window.app.canvas", timeout=90_000)
-        _load(pg, json.loads(TINY.read_text()), TINY.stem)
-        entry = _run_from_page(pg, passthrough_server)
+        load(pg, json.loads(TINY.read_text()), TINY.stem)
+        entry = run_from_page(pg, passthrough_server)
         assert entry["status"]["status_str"] == "success", json.dumps(entry["status"])[:3000]
         box = _stats_box(pg, "passed_through")
         [text] = [o["text"][0] for o in entry["outputs"].values() if "text" in o]
@@ -242,7 +242,7 @@ def test_a_cpu_server_says_the_model_was_passed_through(browser, passthrough_ser
         assert box["text"].startswith("passed through\nComfyUI runs on the CPU, nothing to offload"), box
         assert "connect the output of a Layerwise Offload node" not in box["text"]
         assert box["title_px"] >= 10, box
-        _shot(pg, "stats_passed_through")
+        shot(pg, "stats_passed_through")
         log = passthrough_server.log_path.read_text()
         assert "[layerwise-offload] loaded; the Layerwise Offload node will pass models through: ComfyUI runs on " \
                "the CPU" in log
@@ -270,16 +270,16 @@ _PREVIEW = """() => {
 def _search_preview(page, title: str, numbers, toggles) -> dict:
     """The widget values the node search's preview of ``title`` shows: ``{"numbers": [...], "toggles": [...]}`` in
     the order named (the Vue preview of 1.49 and 1.58 lists them in the node's input order)."""
-    _close_dialogs(page)
+    close_dialogs(page)
     page.evaluate("() => window.app.graph.clear()")
-    box = _open_node_search(page)
+    box = open_node_search(page)
     box.fill(title)
     option = page.get_by_role("option").filter(has_text=title).first
     option.wait_for(state="visible", timeout=10_000)
     option.hover()
     page.wait_for_function(f"() => ({_PREVIEW})()?.title === {title!r}", timeout=10_000)
     shown = page.evaluate(_PREVIEW)
-    _shot(page, f"search_preview_{title.split()[0]}")
+    shot(page, f"search_preview_{title.split()[0]}")
     page.keyboard.press("Escape")
     if shown["kind"] == "legacy":  # rows of "name", "value"
         lines = shown["lines"]
@@ -398,20 +398,20 @@ def test_the_readmes_demo_on_a_fresh_base_directory_draws_the_readmes_picture(br
     assert f"running ComfyUI (pid {readme_server.proc.pid})" in r.stdout, r.stdout
     assert (base / "models" / "diffusion_models").is_dir() and (base / "models" / "vae").is_dir(), r.stdout
 
-    ctx, pg = _open_app(browser, readme_server)
+    ctx, pg = open_app(browser, readme_server)
     try:
         assert _frontend_version(pg) >= NEWEST_FRONTEND
         _, box = _run_the_tiny_demo_from_the_page(pg, readme_server, "readme_demo")
         from PIL import Image
 
-        _shot(pg, "readme_demo")
+        shot(pg, "readme_demo")
         with Image.open(ARTIFACTS / "browser_readme_demo.png") as im:
             on_screen = block_map_seen(im.convert("RGB").crop(
                 (int(box["x"]), int(box["y"]), int(box["x"] + box["w"]), int(box["y"] + box["h"]))))
         assert on_screen == "RRSS", (on_screen, box)
         if UPDATE_PICTURES:  # this run's pictures become the docs', then the README's is checked like any other
-            _picture(pg, "demo_after_run", 0.8, (-10, -40), (1200, 770))
-            _picture(pg, "stats_node", 1.2, (800, 430), (530, 590))
+            picture(pg, "demo_after_run", 0.8, (-10, -40), (1200, 770))
+            picture(pg, "stats_node", 1.2, (800, 430), (530, 590))
         with Image.open(README_PICTURE) as im:
             in_readme = block_map_seen(im.convert("RGB"))
         assert in_readme == on_screen, (f"README's picture shows {in_readme!r}, the demo {on_screen!r}: "

@@ -21,7 +21,7 @@ from layerwise_offload.devtools import e2e_assets
 from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
 
 from .conftest import CPU_LOOPBACK_ENV, server_args
-from .test_server import saved_latent, tiny_prompt
+from .server_support import saved_latent, tiny_prompt
 
 LONG_STEPS = 2000  # minutes of sampling: the kill always lands mid-run
 

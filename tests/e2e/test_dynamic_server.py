@@ -45,10 +45,9 @@ if not dynamic_vram_standin.available():
     pytest.skip("this ComfyUI has no dynamic VRAM that core loaders use (0.33+)", allow_module_level=True)
 
 from .conftest import CPU_LOOPBACK_ENV, server_args  # noqa: E402
-from .test_host_ram_cgroup import Cgroup, server_in  # noqa: E402
-from .test_host_rss import block_lora, one_step_prompt, settled_rss, unload_everything  # noqa: E402
-from .test_loader_cgroup import MODEL_NAME as BIG_NAME, drop_page_cache, write_big_wan  # noqa: E402
-from .test_server import saved_latent, tiny_prompt  # noqa: E402
+from .cgroups import BIG_WAN_NAME as BIG_NAME, Cgroup, drop_page_cache, server_in, write_big_wan  # noqa: E402
+from .server_support import (block_lora, one_step_prompt, saved_latent, settled_rss, tiny_prompt,  # noqa: E402
+                             unload_everything)
 
 NODE = "LayerwiseOffload"
 LAYERWISE_LOADER = "LayerwiseOffloadLoadDiffusionModel"

@@ -22,10 +22,8 @@ from layerwise_offload.devtools import e2e_assets, peers, tiny_dits
 from layerwise_offload.devtools.quantized_models import save_gguf, save_tiny_wan21_gguf
 from layerwise_offload.devtools.server import prepare_base_dir
 
-from .test_host_ram_cgroup import Cgroup, server_in
-from .test_host_rss import anon_rss, one_step_prompt, settled_rss, unload_everything
-from .test_loader_cgroup import drop_page_cache
-from .test_server import saved_latent
+from .cgroups import Cgroup, drop_page_cache, server_in
+from .server_support import anon_rss, one_step_prompt, saved_latent, settled_rss, unload_everything
 
 pytest.importorskip("gguf", reason="the gguf package (a dev package of scripts/setup_env.sh) is not installed")
 if peers.peer_tarball() is None:

@@ -20,7 +20,7 @@ from layerwise_offload.devtools import e2e_assets, tiny_dits
 from layerwise_offload.devtools.server import ComfyServer, prepare_base_dir
 
 from .conftest import CPU_LOOPBACK_ENV
-from .test_server import tiny_prompt
+from .server_support import anon_rss, block_lora, one_step_prompt, settled_rss, unload_everything
 
 MODEL_NAME = "layerwise_offload_rss_wan21.safetensors"
 LORA_NAME = "layerwise_offload_rss_wan21_lora.safetensors"
@@ -50,41 +50,6 @@ def rss_server(tmp_path_factory, tiny_assets):
         server.stop()
 
 
-def block_lora(state, rank=4):
-    """A rank-4 LoRA over every Linear weight of the blocks (ComfyUI's generic ``lora_up``/``lora_down`` keys)."""
-    generator = torch.Generator().manual_seed(7)
-    lora = {}
-    for key, tensor in state.items():
-        if key.startswith("blocks.") and key.endswith(".weight") and tensor.ndim == 2:
-            stem = "diffusion_model." + key[:-len(".weight")]
-            lora[f"{stem}.lora_up.weight"] = 0.05 * torch.randn(tensor.shape[0], rank, generator=generator)
-            lora[f"{stem}.lora_down.weight"] = 0.05 * torch.randn(rank, tensor.shape[1], generator=generator)
-    return lora
-
-
-def anon_rss(pid: int) -> int:
-    """Anonymous resident memory: what the process holds itself. (Plain RSS also counts the file pages of
-    libtorch and friends, which the kernel drops and reloads as other processes need memory.)"""
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no RssAnon in /proc/<pid>/status")
-
-
-def settled_rss(pid: int, stable_polls: int = 8, polls: int = 80) -> int:
-    """Anonymous RSS once it has not moved for ``stable_polls`` readings (/free runs on the server's own thread)."""
-    last, stable = anon_rss(pid), 0
-    for _ in range(polls):
-        time.sleep(0.25)
-        now = anon_rss(pid)
-        stable = stable + 1 if abs(now - last) < 2**20 else 0
-        last = now
-        if stable >= stable_polls:
-            break
-    return last
-
-
 def rss_at_most(pid: int, limit: int, polls: int = 80) -> int:
     """Anonymous RSS as soon as it is <= ``limit`` (the unload has happened), else the last reading."""
     now = anon_rss(pid)
@@ -94,26 +59,6 @@ def rss_at_most(pid: int, limit: int, polls: int = 80) -> int:
         time.sleep(0.25)
         now = anon_rss(pid)
     return now
-
-
-def one_step_prompt(lora=None, **kwargs):
-    prompt = tiny_prompt(**kwargs)
-    prompt["6"]["inputs"]["steps"] = 1  # RAM does not depend on the step count; time does
-    if lora is not None:  # UNETLoader -> LoraLoaderModelOnly -> the rest
-        prompt["12"] = {"class_type": "LoraLoaderModelOnly",
-                        "inputs": {"model": ["1", 0], "lora_name": lora, "strength_model": 0.8}}
-        consumer = "10" if "10" in prompt else "5"
-        prompt[consumer]["inputs"]["model"] = ["12", 0]
-    return prompt
-
-
-def unload_everything(server) -> None:
-    """POST /free, then a prompt without a model: the server applies /free after a prompt at the latest."""
-    server.free_memory()
-    server.run_prompt({
-        "1": {"class_type": "EmptyHunyuanLatentVideo",
-              "inputs": {"width": 16, "height": 16, "length": 1, "batch_size": 1}},
-        "2": {"class_type": "SaveLatent", "inputs": {"samples": ["1", 0], "filename_prefix": "rss/none"}}})
 
 
 def test_rss_of_an_offloaded_model_is_its_weights_once_and_returns_after_unload(rss_server):

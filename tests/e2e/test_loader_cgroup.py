@@ -19,35 +19,17 @@ import re
 import time
 
 import pytest
-import safetensors.torch
 import torch
 
-from layerwise_offload.devtools import tiny_dits
 from layerwise_offload.devtools.server import PromptFailed, prepare_base_dir
 
-from .test_host_ram_cgroup import Cgroup, server_in
-from .test_host_rss import anon_rss, one_step_prompt, settled_rss, unload_everything
-from .test_server import saved_latent
+from .cgroups import BIG_WAN_NAME as MODEL_NAME, Cgroup, drop_page_cache, server_in, write_big_wan
+from .server_support import anon_rss, one_step_prompt, saved_latent, settled_rss, unload_everything
 
-MODEL_NAME = "layerwise_offload_big_wan21.safetensors"
-BLOCKS = int(os.environ.get("LAYERWISE_OFFLOAD_BIG_DIT_BLOCKS", "32"))
-CONFIG = dict(tiny_dits.WAN21_TINY_CONFIG, dim=1024, num_heads=8, ffn_dim=4096, num_layers=BLOCKS)
 # The whole cgroup is half the DiT (server included), instead of the server's own memory + half the DiT.
 HALF_DIT = os.environ.get("LAYERWISE_OFFLOAD_CGROUP_HALF_DIT") == "1"
 LOADER = "LayerwiseOffloadLoadDiffusionModel"
 MiB = 2**20
-
-
-def write_big_wan(path) -> dict:
-    """The big Wan (2.1 GiB at 32 blocks), written block by block (the whole state dict never sits in RAM twice)."""
-    patcher = tiny_dits._build("WAN21_T2V", CONFIG, 11, torch.float32)
-    state = {k: v.detach().contiguous() for k, v in patcher.model.diffusion_model.state_dict().items()}
-    safetensors.torch.save_file(state, str(path))
-    figures = {"weights": sum(t.nbytes for t in state.values()),
-               "block": sum(t.nbytes for k, t in state.items() if k.startswith("blocks.0.")),
-               "blocks": sum(t.nbytes for k, t in state.items() if k.startswith("blocks."))}
-    del patcher, state
-    return figures
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +45,6 @@ def big_server(tmp_path_factory, tiny_assets):
     assert path.stat().st_size >= 2 * 2**30
     with server_in(cgroup, base) as server:
         yield server, cgroup, path, figures
-
-
-def drop_page_cache(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def loader_prompt(prefix, offload=None):

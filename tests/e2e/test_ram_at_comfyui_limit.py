@@ -47,10 +47,8 @@ from layerwise_offload.devtools import e2e_assets, peers, tiny_dits
 from layerwise_offload.devtools.server import ServerError, execution_error, prepare_base_dir
 
 from .conftest import CPU_LOOPBACK_ENV, server_args
-from .test_host_ram_cgroup import Cgroup, ServerInCgroup
-from .test_host_rss import one_step_prompt, unload_everything
-from .test_loader_cgroup import drop_page_cache
-from .test_server import saved_latent
+from .cgroups import Cgroup, ServerInCgroup, drop_page_cache
+from .server_support import one_step_prompt, saved_latent, unload_everything
 
 MiB = 2**20
 RESOLUTION = 32 * MiB

@@ -17,42 +17,17 @@ import re
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 
 from layerwise_offload.devtools import e2e_assets
 from layerwise_offload.devtools.server import PACK_FOLDER, PromptRejected, execution_error
 from layerwise_offload.devtools.workflow_api import workflow_to_prompt
 
+from .server_support import NODE, SEED, saved_latent, tiny_prompt
+
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOWS = REPO / "workflows"
 TINY_WORKFLOW = next(WORKFLOWS.glob("A tiny demo*.json"))
-NODE = "LayerwiseOffload"
-SEED = 42
-
-
-def tiny_prompt(offload=None, seed=SEED, unet=e2e_assets.TINY_WAN21_NAME, prefix="e2e/tiny", decode=False):
-    """API prompt mirroring the tiny demo workflow; ``offload`` is None (no node) or
-    ``dict(resident_layers=..., prefetch_size=..., residency_policy=..., pin_memory=...)``."""
-    p = e2e_assets.tiny_wan_prompt(
-        {"class_type": "UNETLoader", "inputs": {"unet_name": unet, "weight_dtype": "default"}},
-        {"class_type": "ModelSamplingSD3", "inputs": {"shift": 8.0}}, seed=seed, steps=4, prefix=prefix)
-    if offload is not None:
-        full = {"resident_layers": 0, "prefetch_size": 1, "residency_policy": "leading", "pin_memory": True}
-        full.update(offload)
-        p["10"] = {"class_type": NODE, "inputs": {"model": ["1", 0], **full}}
-        p["5"]["inputs"]["model"] = ["10", 0]
-    if decode:
-        p["8"] = {"class_type": "VAELoader", "inputs": {"vae_name": e2e_assets.TINY_WAN21_VAE_NAME}}
-        p["9"] = {"class_type": "VAEDecode", "inputs": {"samples": ["6", 0], "vae": ["8", 0]}}
-        p["11"] = {"class_type": "SaveImage", "inputs": {"images": ["9", 0], "filename_prefix": prefix}}
-    return p
-
-
-def saved_latent(server, entry) -> torch.Tensor:
-    files = server.output_files(entry, "latents")
-    assert len(files) == 1, entry.get("outputs")
-    return safetensors.torch.load_file(str(files[0]))["latent_tensor"]
 
 
 # ------------------------------------------------------------------------------------------------ node info
