@@ -7,8 +7,8 @@ prefetch depth on four reference GPUs (offload/timing/ predicts; the .md it writ
 
 Per template (devtools/template_memory.py's list, block bytes from devtools/template_plans.json), FLOPs per block
 are COUNTED, not derived: ComfyUI's own class at the released dimensions, one block per block list
-(activation_memory.py), runs one forward on the ``meta`` device at the template's latent and batch under
-``FlopCounterMode`` (matmuls, convolutions), attention replaced by activation_memory.py's flash-like stand-in plus
+(dit_families.py), runs one forward on the ``meta`` device at the template's latent and batch under
+``FlopCounterMode`` (matmuls, convolutions), attention replaced by meta_forward.py's flash-like stand-in plus
 the flash kernel's own count (``4 x batch x heads x query tokens x key tokens x head dim``). Element-wise work is
 the part of ``DIT_EFFICIENCY`` that is not matmul. The shape-only rule of thumb (:func:`shape_estimate`) counts
 the modulation linears at every token and the text stream's linears at the image's tokens, so it overestimates
@@ -44,7 +44,8 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from ..devtools import dit_presets  # noqa: E402
-from .activation_memory import FAMILIES, flash_like_attention, meta_forward  # noqa: E402
+from .dit_families import FAMILIES  # noqa: E402
+from .meta_forward import flash_like_attention, meta_forward  # noqa: E402
 from .measure import RESULTS  # noqa: E402
 from ..devtools import comfy_env, template_memory  # noqa: E402
 from ..offload import choose_resident_blocks, footprint, planner  # noqa: E402
@@ -94,7 +95,7 @@ class TemplateCosts:
 
 
 def counted_attention(calls: List[int], attention_flops: List[float]):
-    """activation_memory.py's flash-like attention stand-in that adds the flash kernel's own FLOPs
+    """meta_forward.py's flash-like attention stand-in that adds the flash kernel's own FLOPs
     (``4 x batch x heads x query tokens x key tokens x head dim``) to ``attention_flops[0]``."""
     flash = flash_like_attention(calls)
 
