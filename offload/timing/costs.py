@@ -151,7 +151,7 @@ def model_costs(blocks: Sequence[nn.Module], block_bytes: Sequence[int], block_f
 def block_flops(block: nn.Module, tokens: int, batch: int = 1) -> float:
     """One forward of ``block`` over ``tokens`` tokens per item: ``2 x linear weights x tokens + 4 x tokens^2 x
     width`` per item, ``width`` its narrowest linear input (the hidden size), every linear seeing every token.
-    A rule of thumb a run can afford; bench/timing_table.py counts the templates' FLOPs exactly."""
+    A rule of thumb a run can afford; bench/template_costs.py counts the templates' FLOPs exactly."""
     elements, width = 0, None
     for module in block.modules():
         weight = getattr(module, "weight", None)
