@@ -14,10 +14,10 @@ from .discovery import DiscoveredBlocks
 from .host_ram import comfyui_host_environment
 
 _MANAGERS: "weakref.WeakKeyDictionary[nn.Module, LayerwiseOffloadManager]" = weakref.WeakKeyDictionary()
-# The device LoRA's scratch per manager (the latest load's): beside the blocks on the device, so on the CPU loopback
-# in host RAM too, which the host store leaves free (shared_manager).
 # What each manager was made for: its blocks (by identity) and its device.
 _SERVES: "weakref.WeakKeyDictionary[LayerwiseOffloadManager, tuple]" = weakref.WeakKeyDictionary()
+# The device LoRA's scratch per manager (the latest load's): beside the blocks on the device, so on the CPU loopback
+# in host RAM too, which the host store leaves free (shared_manager).
 _LORA_SCRATCH: "weakref.WeakKeyDictionary[LayerwiseOffloadManager, int]" = weakref.WeakKeyDictionary()
 
 

@@ -121,11 +121,7 @@ class LayerwiseOffloadManager:
         engine = self.engine
         if plan is None:
             return engine.device_memory.nbytes()
-        if plan == engine.config and engine.schedule is not None:
-            schedule = engine.schedule
-        else:
-            schedule = Schedule.for_config(plan, self.num_blocks)
-        return engine.geometry.footprint(schedule, plan).total
+        return engine.geometry.footprint(Schedule.for_config(plan, self.num_blocks), plan).total
 
     # ----------------------------------------------------------------- apply, run, release
     def attach(self, root: Optional[nn.Module] = None) -> "LayerwiseOffloadManager":
